@@ -1,0 +1,19 @@
+"""1-bit packing, the error-compensated 1-bit allreduce, full-precision collectives and their ledger."""
+
+from zoa_train.comm.collectives import allreduce, default_ledger, group_size_rank, ring_allreduce_bytes
+from zoa_train.comm.ledger import CommLedger, StepComm
+from zoa_train.comm.onebit import OneBitAllReduce
+from zoa_train.comm.packing import pack_signs, sign_table, unpack_signs
+
+__all__ = [
+    "CommLedger",
+    "OneBitAllReduce",
+    "StepComm",
+    "allreduce",
+    "default_ledger",
+    "group_size_rank",
+    "pack_signs",
+    "ring_allreduce_bytes",
+    "sign_table",
+    "unpack_signs",
+]

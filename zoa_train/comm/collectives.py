@@ -1,0 +1,56 @@
+"""Full-precision collectives that record themselves in a CommLedger."""
+
+import torch
+import torch.distributed as dist
+
+from zoa_train.comm.ledger import CommLedger
+
+_DEFAULT_LEDGER = CommLedger()
+
+
+def default_ledger() -> CommLedger:
+    """The ledger used by calls that are not given one."""
+    return _DEFAULT_LEDGER
+
+
+def group_size_rank(group=None) -> tuple[int, int]:
+    """(world size, rank) of `group`, or (1, 0) when torch.distributed is not initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
+    """Bytes one rank sends in a ring allreduce (reduce-scatter then all-gather)."""
+    return 2 * (world_size - 1) * numel * element_size // world_size
+
+
+def allreduce(
+    tensor: torch.Tensor,
+    group=None,
+    ledger: CommLedger | None = None,
+    comm_dtype: torch.dtype | None = None,
+    average: bool = True,
+) -> torch.Tensor:
+    """Average (or sum) `tensor` in place over the group, sending it as `comm_dtype` (default: its own).
+
+    Gloo has no AVG reduction, so the sum is divided by the world size locally.
+    """
+    world, _ = group_size_rank(group)
+    if world == 1:
+        return tensor
+    ledger = ledger if ledger is not None else _DEFAULT_LEDGER
+    wire = tensor if comm_dtype in (None, tensor.dtype) else tensor.to(comm_dtype)
+    dist.all_reduce(wire, group=group)
+    if average:
+        wire.div_(world)
+    if wire is not tensor:
+        tensor.copy_(wire)
+    bits = torch.finfo(wire.dtype).bits if wire.is_floating_point() else wire.element_size() * 8
+    ledger.record(
+        f"allreduce_{str(wire.dtype).removeprefix('torch.')}",
+        payload_bits=bits,
+        elements=tensor.numel(),
+        bytes_sent=ring_allreduce_bytes(tensor.numel(), wire.element_size(), world),
+    )
+    return tensor
