@@ -53,9 +53,9 @@ def test_onebit_allreduce_matches_reference_and_is_identical_on_all_ranks(world_
                 got = ranks[r][case][call]
                 assert got["out"].dtype == dtype, name
                 assert torch.equal(got["out"], ranks[0][case][call]["out"]), f"{name}: rank {r} differs from rank 0"
-                torch.testing.assert_close(got["out"].float(), ref.to(dtype).float(), rtol=1e-6, atol=1e-6, msg=name)
-                torch.testing.assert_close(got["worker_error"], worker_errors[r], rtol=1e-6, atol=1e-6, msg=name)
-                torch.testing.assert_close(got["server_error"], server_errors[r], rtol=1e-6, atol=1e-6, msg=name)
+                torch.testing.assert_close(got["out"].float(), ref.to(dtype).float(), rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(got["worker_error"], worker_errors[r], rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(got["server_error"], server_errors[r], rtol=1e-5, atol=1e-5)
         if zeros:
             assert all(torch.count_nonzero(ranks[r][case][2]["out"]) == 0 for r in range(n))
 

@@ -8,16 +8,20 @@ Two passes over a flat buffer padded to a multiple of 8*n:
 Each segment on the wire is the packed signs of one chunk followed by its fp32 scale, so a call is
 exactly two collectives. Padding carries no value: it is excluded from the scales and its error
 is kept at zero, so the result does not depend on how much padding a world size needs.
-"""
 
-import math
+Speed: the residual e <- y - s*sign(y) needs s, which needs all of y, so done eagerly it costs a
+second pass over memory. Instead each buffer keeps y and the signs and scale it sent, and the
+subtraction is folded into the next call's single pass (the signs are read back from the send
+buffers, which the collectives leave untouched). `worker_error`, `server_error` and the state
+dict give the materialised errors.
+"""
 
 import torch
 import torch.distributed as dist
 
 from zoa_train.comm.collectives import default_ledger, group_size_rank
 from zoa_train.comm.ledger import CommLedger
-from zoa_train.comm.packing import pack_signs, unpack_signs
+from zoa_train.comm.packing import BLOCK, pack_signs, unpack_signs
 
 _SCALE_BYTES = 4
 # torch 2.14 renamed all_gather_into_tensor; keep older releases working.
@@ -38,7 +42,7 @@ class OneBitAllReduce:
         group=None,
         device: torch.device | str | None = None,
         ledger: CommLedger | None = None,
-        block_size: int = 1 << 20,
+        block_size: int = BLOCK,
     ):
         self.numel = int(numel)
         self.group = group
@@ -55,19 +59,41 @@ class OneBitAllReduce:
         self._chunk_valid = min(max(self.numel - self.rank * self.chunk, 0), self.chunk)
 
         f32, u8 = dict(dtype=torch.float32, device=self.device), dict(dtype=torch.uint8, device=self.device)
-        self.worker_error = torch.zeros(self.padded_numel, **f32)
-        self.server_error = torch.zeros(self.chunk, **f32)
+        # y of the last call (worker) and c of the last call (server); errors once the pending
+        # subtraction of scale*sign is applied.
+        self._worker = torch.zeros(self.padded_numel, **f32)
+        self._server = torch.zeros(self.chunk, **f32)
+        self._pending = False
         segments = n * self._segment if active else 0
-        self._send = torch.empty(segments, **u8)
+        self._send = torch.zeros(segments, **u8)
         self._recv = torch.empty(segments, **u8)
         self._gathered = torch.empty(segments, **u8)
-        self._mine = torch.empty(self._segment if active else 0, **u8)
+        self._mine = torch.zeros(self._segment if active else 0, **u8)
         self._work = torch.empty(min(self.block_size, self.padded_numel), **f32)
 
     @property
     def bytes_per_call(self) -> int:
         """Bytes this rank sends in one call: (n-1) segments in each pass."""
         return 2 * (self.world_size - 1) * self._segment if self.padded_numel else 0
+
+    @property
+    def accumulator(self) -> torch.Tensor:
+        """A view of numel elements that the next `exchange()` compresses (plus the carried error).
+
+        Adding into it between calls is the same as passing the sum to `op`; optimizers use it to
+        accumulate their update without a buffer of their own.
+        """
+        return self._worker[: self.numel]
+
+    @property
+    def worker_error(self) -> torch.Tensor:
+        """The worker error e_w (padded length), materialised as a new tensor."""
+        return self._materialised(self._worker, self._sent_signs(), self.numel)
+
+    @property
+    def server_error(self) -> torch.Tensor:
+        """The server error e_s of this rank's chunk, materialised as a new tensor."""
+        return self._materialised(self._server, self._mine, self._chunk_valid)
 
     def op(self, tensor: torch.Tensor) -> torch.Tensor:
         """Average `tensor` in place over the group (error-compensated) and return it."""
@@ -78,68 +104,87 @@ class OneBitAllReduce:
         if not tensor.is_contiguous():
             raise ValueError("OneBitAllReduce.op needs a contiguous tensor")
         flat = tensor.view(-1)
-        self.worker_error[: self.numel].add_(flat)
-        self.exchange(out=flat)
+        self.exchange(out=flat, addend=flat)
         return tensor
 
-    def exchange(self, out: torch.Tensor) -> torch.Tensor:
-        """Run both passes on the input already added into `worker_error`; write the average to `out`.
-
-        `op` is the usual entry point. Optimizers that accumulate their buffer straight into
-        `worker_error` (saving a copy of the model's size) call this directly.
-        """
-        n, packed_chunk = self.world_size, self._packed_chunk
-        y = self.worker_error
-
-        # Worker: compress y into one segment per destination chunk, keep the residual as error.
-        scale = torch.linalg.vector_norm(y) / math.sqrt(self.numel)
+    def exchange(self, out: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
+        """Compress accumulator + error (+ addend), run both passes, write the average to `out`."""
+        n, chunk, packed_chunk, numel = self.world_size, self.chunk, self._packed_chunk, self.numel
         send = self._send.view(n, self._segment)
+
+        # Worker: y = e_w + addend, packed into one segment per destination chunk.
+        def worker_block(start: int, block: torch.Tensor) -> None:
+            stop = min(start + block.numel(), numel)
+            if addend is not None and stop > start:
+                block[: stop - start].add_(addend[start:stop])
+
+        sum_squares = sum(
+            self._fold_and_pack(self._worker, j * chunk, (j + 1) * chunk, send[j], numel, worker_block)
+            for j in range(n)
+        )
+        scale = torch.sqrt(sum_squares / numel)
         send[:, packed_chunk:].copy_(scale.reshape(1).view(torch.uint8))
-        for j in range(n):
-            self._compress_(y[j * self.chunk : (j + 1) * self.chunk], scale, send[j, :packed_chunk])
-        y[self.numel :].zero_()
 
         # Pass 1: rank j receives chunk j of everyone.
         dist.all_to_all_single(self._recv, self._send, group=self.group)
 
-        # Server: average the n compressed chunks into the server error, then compress that.
+        # Server: c = e_s + mean_i(s_i*sign_i) over this rank's chunk, packed.
         recv = self._recv.view(n, self._segment)
         scales = recv[:, packed_chunk:].contiguous().view(torch.float32).reshape(n) / n
-        c = self.server_error
-        for start in range(0, self.chunk, self.block_size):
-            stop = min(start + self.block_size, self.chunk)
-            work = self._work[: stop - start]
+
+        def server_block(start: int, block: torch.Tensor) -> None:
+            work = self._work[: block.numel()]
             for i in range(n):
-                unpack_signs(recv[i, start // 8 : stop // 8], stop - start, scales[i], out=work)
-                c[start:stop].add_(work)
-        valid = self._chunk_valid
-        c[valid:].zero_()
-        server_scale = torch.linalg.vector_norm(c) / math.sqrt(max(valid, 1))
+                unpack_signs(recv[i, start // 8 : (start + block.numel()) // 8], block.numel(), scales[i], out=work)
+                block.add_(work)
+
+        valid = max(self._chunk_valid, 1)
+        server_scale = torch.sqrt(self._fold_and_pack(self._server, 0, chunk, self._mine, self._chunk_valid, server_block) / valid)
         self._mine[packed_chunk:].copy_(server_scale.reshape(1).view(torch.uint8))
-        self._compress_(c, server_scale, self._mine[:packed_chunk])
-        c[valid:].zero_()
+        self._pending = True
 
         # Pass 2: everyone gathers every server chunk and unpacks the same average.
         _all_gather_single(self._gathered, self._mine, group=self.group)
         gathered = self._gathered.view(n, self._segment)
         server_scales = gathered[:, packed_chunk:].contiguous().view(torch.float32).reshape(n)
         for j in range(n):
-            first = j * self.chunk
-            for start in range(first, min(first + self.chunk, self.numel), self.block_size):
-                stop = min(start + self.block_size, first + self.chunk, self.numel)
-                packed = gathered[j, (start - first) // 8 : (stop - first + 7) // 8]
-                unpack_signs(packed, stop - start, server_scales[j], out=out[start:stop])
+            first, last = j * chunk, min((j + 1) * chunk, numel)
+            if last > first:
+                unpack_signs(gathered[j, :packed_chunk], last - first, server_scales[j], out=out[first:last])
 
-        self.ledger.record("onebit_allreduce", payload_bits=1, elements=self.numel, bytes_sent=self.bytes_per_call, calls=2)
+        self.ledger.record("onebit_allreduce", payload_bits=1, elements=numel, bytes_sent=self.bytes_per_call, calls=2)
         return out
 
-    def _compress_(self, values: torch.Tensor, scale: torch.Tensor, packed: torch.Tensor) -> None:
-        """packed <- signs of values; values <- values - scale*sign(values), block by block to stay in cache."""
-        for start in range(0, values.numel(), self.block_size):
-            block = values[start : start + self.block_size]
-            signs = packed[start // 8 : (start + block.numel()) // 8]
+    def _fold_and_pack(self, values, first, last, segment, valid, add_input) -> torch.Tensor:
+        """One pass over values[first:last], block by block while each block is in cache:
+        apply the pending residual (values -= last scale * last signs, read from `segment`),
+        add_input(offset, block), zero what lies past `valid`, pack the signs into `segment`
+        and sum the squares. Returns the sum of squares."""
+        packed, pending_scale = segment[: self._packed_chunk], _scale_of(segment)
+        sum_squares = torch.zeros((), dtype=torch.float32, device=values.device)
+        for start in range(first, last, self.block_size):
+            block = values[start : min(start + self.block_size, last)]
+            signs = packed[(start - first) // 8 : (start - first + block.numel()) // 8]
+            if self._pending:
+                block.sub_(unpack_signs(signs, block.numel(), pending_scale, out=self._work[: block.numel()]))
+            add_input(start, block)
+            if start + block.numel() > valid:
+                block[max(valid - start, 0) :].zero_()
             pack_signs(block, out=signs)
-            block.sub_(unpack_signs(signs, block.numel(), scale, out=self._work[: block.numel()]))
+            sum_squares += torch.dot(block, block)
+        return sum_squares
+
+    def _sent_signs(self) -> torch.Tensor:
+        """The worker's last packed signs as one contiguous run, with the scale appended."""
+        send = self._send.view(self.world_size, self._segment)
+        return torch.cat([send[:, : self._packed_chunk].reshape(-1), send[0, self._packed_chunk :]])
+
+    def _materialised(self, values: torch.Tensor, segment: torch.Tensor, valid: int) -> torch.Tensor:
+        error = values.clone()
+        if self._pending and error.numel():
+            error -= unpack_signs(segment[:-_SCALE_BYTES], error.numel(), _scale_of(segment))
+            error[valid:] = 0
+        return error
 
     def state_dict(self) -> dict:
         return {
@@ -155,5 +200,11 @@ class OneBitAllReduce:
                 f"1-bit allreduce state is for {state['numel']} elements on {state['world_size']} ranks, "
                 f"this one is for {self.numel} on {self.world_size}"
             )
-        self.worker_error.copy_(state["worker_error"])
-        self.server_error.copy_(state["server_error"])
+        self._worker.copy_(state["worker_error"])
+        self._server.copy_(state["server_error"])
+        self._pending = False
+
+
+def _scale_of(segment: torch.Tensor) -> torch.Tensor:
+    """The fp32 scale stored in the last 4 bytes of a segment (copied out: the bytes may be unaligned)."""
+    return segment[-_SCALE_BYTES:].clone().view(torch.float32).reshape(())

@@ -1,0 +1,1 @@
+"""Benchmarks: they print ratios measured in one run; they are not tests."""
