@@ -33,7 +33,8 @@ class OneBitAllReduce:
 
     Owns the worker error (padded length, fp32) and the server error (this rank's chunk, fp32) and
     all communication buffers, allocated once. Math is fp32 whatever the input dtype. With a world
-    size of 1, `op` returns its input unchanged and sends nothing.
+    size of 1, `op` returns its input unchanged and sends nothing, and `exchange` returns the
+    accumulator exactly.
     """
 
     def __init__(
@@ -61,7 +62,7 @@ class OneBitAllReduce:
         f32, u8 = dict(dtype=torch.float32, device=self.device), dict(dtype=torch.uint8, device=self.device)
         # y of the last call (worker) and c of the last call (server); errors once the pending
         # subtraction of scale*sign is applied.
-        self._worker = torch.zeros(self.padded_numel, **f32)
+        self._worker = torch.zeros(self.padded_numel if active else self.numel, **f32)
         self._server = torch.zeros(self.chunk, **f32)
         self._pending = False
         segments = n * self._segment if active else 0
@@ -88,6 +89,8 @@ class OneBitAllReduce:
     @property
     def worker_error(self) -> torch.Tensor:
         """The worker error e_w (padded length), materialised as a new tensor."""
+        if not self._pending:
+            return self._worker.clone()
         return self._materialised(self._worker, self._sent_signs(), self.numel)
 
     @property
@@ -109,6 +112,10 @@ class OneBitAllReduce:
 
     def exchange(self, out: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
         """Compress accumulator + error (+ addend), run both passes, write the average to `out`."""
+        if self.padded_numel == 0:  # one rank: the average is the input itself
+            torch.add(self._worker, addend, out=out) if addend is not None else out.copy_(self._worker)
+            self._worker.zero_()
+            return out
         n, chunk, packed_chunk, numel = self.world_size, self.chunk, self._packed_chunk, self.numel
         send = self._send.view(n, self._segment)
 
@@ -181,7 +188,7 @@ class OneBitAllReduce:
 
     def _materialised(self, values: torch.Tensor, segment: torch.Tensor, valid: int) -> torch.Tensor:
         error = values.clone()
-        if self._pending and error.numel():
+        if self._pending:
             error -= unpack_signs(segment[:-_SCALE_BYTES], error.numel(), _scale_of(segment))
             error[valid:] = 0
         return error

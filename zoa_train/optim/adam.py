@@ -1,0 +1,47 @@
+"""DataParallelAdam: the full-precision baseline on the same code path as the 1-bit optimizers.
+
+Every step: average the flat gradient through the ledgered allreduce, then AdamW (decoupled weight
+decay) with the same bias-correction setting as the others, so comparisons isolate compression.
+The trainer's `adam` uses DDP + torch.optim.AdamW instead; this class is for library users and tests.
+"""
+
+import torch
+
+from zoa_train.optim.base import DataParallelOptimizer
+
+
+class DataParallelAdam(DataParallelOptimizer):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bias_correction: bool = False,
+        process_group=None,
+        allreduce_dtype: torch.dtype | None = None,
+    ):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults, process_group, allreduce_dtype)
+        for flat, buffers in zip(self._flat, self._buffers):
+            buffers["exp_avg"] = flat.zeros()
+            buffers["exp_avg_sq"] = flat.zeros()
+
+    def _step(self) -> tuple[bool, bool, int]:
+        t = self.step_count
+        for group, flat, buffers in zip(self.param_groups, self._flat, self._buffers):
+            if not flat.numel:
+                continue
+            (beta1, beta2), lr = group["betas"], group["lr"]
+            m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
+            grad = self._allreduce(flat.flat_grad())
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            corrected = group["bias_correction"]
+            step_size = lr / (1 - beta1 ** (t + 1)) if corrected else lr
+            denom = self._denominator(v, group["eps"], 1 - beta2 ** (t + 1) if corrected else 1.0)
+            if group["weight_decay"]:
+                torch._foreach_mul_(flat.params, 1 - lr * group["weight_decay"])
+            torch._foreach_addcdiv_(flat.params, flat.views(m), flat.views(denom), value=-step_size)
+        return True, True, 1

@@ -1,0 +1,191 @@
+"""What the three data-parallel optimizers share: flat fp32 state, gradient gathering, the ledger,
+the per-step record, and a state dict that carries everything of this rank.
+
+These optimizers do their own data-parallel communication: the model is not wrapped in DDP. At
+construction every parameter is broadcast from rank 0 so that all ranks start from the same point.
+A parameter whose .grad is None in a step counts as having a zero gradient, on every rank alike.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from zoa_train.comm import CommLedger, allreduce, group_size_rank
+
+
+@dataclass
+class StepRecord:
+    """What the last optimizer step did on this rank."""
+
+    step: int
+    synced: bool  # parameters are identical on all ranks after this step
+    variance_updated: bool
+    bits_per_param: float  # nominal, docs/zero-one-adam.md "Counting"
+    bytes_sent: int
+    interval: int = 1
+
+
+class FlatGroup:
+    """The parameters of one param group and the layout of its flat state buffers."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.params = params
+        self.numel = sum(p.numel() for p in params)
+        self.device = params[0].device if params else torch.device("cpu")
+
+    def zeros(self) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of `flat` shaped like each parameter."""
+        out, offset = [], 0
+        for p in self.params:
+            out.append(flat[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out
+
+    def flat_grad(self) -> torch.Tensor:
+        """All gradients in one new flat fp32 tensor (zeros where .grad is None)."""
+        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+
+    def split_by_grad(self, views: list[torch.Tensor]):
+        """(grads, views of params that have one, views of params that have none)."""
+        grads, with_grad, without = [], [], []
+        for p, view in zip(self.params, views):
+            if p.grad is None:
+                without.append(view)
+            else:
+                if p.grad.is_sparse:
+                    raise ValueError("sparse gradients are not supported")
+                grads.append(p.grad)
+                with_grad.append(view)
+        return grads, with_grad, without
+
+
+class DataParallelOptimizer(torch.optim.Optimizer):
+    """Base of DataParallelAdam, OneBitAdam and ZeroOneAdam.
+
+    Subclasses fill `self._buffers[i]` (name -> flat fp32 tensor of group i), `self._comms[i]`
+    (a OneBitAllReduce or None), `self._scalars[i]` (name -> float) and `self.schedule` (an object
+    with state_dict/load_state_dict, or None), and implement `_step() -> StepRecord fields`.
+    """
+
+    def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None):
+        self._constructed = False
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self.allreduce_dtype = allreduce_dtype
+        self.world_size, self.rank = group_size_rank(process_group)
+        seen: set[int] = set()
+        for group in self.param_groups:
+            unique = []
+            for p in group["params"]:
+                if p.dtype != torch.float32:
+                    raise ValueError(f"{type(self).__name__} keeps fp32 master weights; got a {p.dtype} parameter")
+                if id(p) not in seen:  # tied weights listed twice are updated once
+                    seen.add(id(p))
+                    unique.append(p)
+            group["params"] = unique
+        self._flat = [FlatGroup(group["params"]) for group in self.param_groups]
+        self.ledger = CommLedger(num_params=sum(f.numel for f in self._flat))
+        self.last_step: StepRecord | None = None
+        self.step_count = 0
+        self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in self._flat]
+        self._comms: list = [None for _ in self._flat]
+        self._scalars: list[dict[str, float]] = [{} for _ in self._flat]
+        self.schedule = None
+        self._broadcast_parameters()
+        self._constructed = True
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_constructed", False):
+            raise RuntimeError(f"{type(self).__name__} lays out its state at construction: pass every parameter group then")
+        super().add_param_group(param_group)
+
+    def _broadcast_parameters(self) -> None:
+        """Start every rank from rank 0's parameters (setup, not a training step: not in the ledger)."""
+        if self.world_size == 1:
+            return
+        with torch.no_grad():
+            for flat in self._flat:
+                if flat.numel:
+                    buffer = torch.cat([p.reshape(-1) for p in flat.params])
+                    dist.broadcast(buffer, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0, group=self.process_group)
+                    torch._foreach_copy_(flat.params, flat.views(buffer))
+
+    def _allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return allreduce(tensor, group=self.process_group, ledger=self.ledger, comm_dtype=self.allreduce_dtype)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        synced, variance_updated, interval = self._step()
+        comm = self.ledger.end_step()
+        self.last_step = StepRecord(self.step_count, synced, variance_updated, comm.bits_per_param, comm.bytes_sent, interval)
+        self.step_count += 1
+        return loss
+
+    def _step(self) -> tuple[bool, bool, int]:
+        raise NotImplementedError
+
+    @staticmethod
+    def _denominator(v: torch.Tensor, eps: float, bias_correction2: float) -> torch.Tensor:
+        """sqrt(v / bias_correction2) + eps as a new tensor."""
+        denom = torch.sqrt(v)
+        if bias_correction2 != 1.0:
+            denom.div_(bias_correction2**0.5)
+        return denom.add_(eps)
+
+    def state_dict(self) -> dict:
+        groups, index = [], 0
+        for group in self.param_groups:
+            saved = {k: v for k, v in group.items() if k != "params"}
+            saved["params"] = list(range(index, index + len(group["params"])))
+            index += len(group["params"])
+            groups.append(saved)
+        return {
+            "state": {},
+            "param_groups": groups,
+            "zoa": {
+                "optimizer": type(self).__name__,
+                "world_size": self.world_size,
+                "rank": self.rank,
+                "step_count": self.step_count,
+                "numels": [f.numel for f in self._flat],
+                "buffers": self._buffers,
+                "comms": [c.state_dict() if c is not None else None for c in self._comms],
+                "scalars": self._scalars,
+                "schedule": self.schedule.state_dict() if self.schedule is not None else None,
+                "ledger": self.ledger.state_dict(),
+            },
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved = state_dict.get("zoa")
+        name = type(self).__name__
+        if saved is None or saved["optimizer"] != name:
+            raise ValueError(f"this optimizer state is not a {name} state")
+        if saved["world_size"] != self.world_size:
+            raise ValueError(
+                f"the {name} state was saved on {saved['world_size']} ranks and this run has {self.world_size}: "
+                "its error buffers and local state are per rank, so resume at the same world size"
+            )
+        if saved["numels"] != [f.numel for f in self._flat]:
+            raise ValueError(f"the {name} state is for parameter groups of sizes {saved['numels']}, not {[f.numel for f in self._flat]}")
+        for group, saved_group in zip(self.param_groups, state_dict["param_groups"]):
+            group.update({k: v for k, v in saved_group.items() if k != "params"})
+        for buffers, saved_buffers in zip(self._buffers, saved["buffers"]):
+            for key, tensor in buffers.items():
+                tensor.copy_(saved_buffers[key])
+        for comm, saved_comm in zip(self._comms, saved["comms"]):
+            if comm is not None:
+                comm.load_state_dict(saved_comm)
+        self._scalars = [dict(s) for s in saved["scalars"]]
+        if self.schedule is not None:
+            self.schedule.load_state_dict(saved["schedule"])
+        self.ledger.load_state_dict(saved["ledger"])
+        self.step_count = saved["step_count"]

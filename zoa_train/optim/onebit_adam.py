@@ -1,0 +1,72 @@
+"""OneBitAdam (Tang et al. 2021), the 1-bit baseline (docs/zero-one-adam.md, "1-bit Adam").
+
+Full-precision data-parallel Adam for `freeze_step` steps; then the variance is frozen and the
+local momentum m = b1*m + (1-b1)*g is averaged through the error-compensated 1-bit allreduce
+every step. Every rank unpacks the same average, so parameters stay identical without a rollback.
+Parameters whose variance is exactly zero (gradient zero at every full-precision step) are not
+moved: sign compression would otherwise turn their zero momentum into noise.
+"""
+
+import torch
+
+from zoa_train.comm import OneBitAllReduce
+from zoa_train.optim.base import DataParallelOptimizer
+
+
+class OneBitAdam(DataParallelOptimizer):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bias_correction: bool = False,
+        freeze_step: int = 100_000,
+        process_group=None,
+        allreduce_dtype: torch.dtype | None = None,
+    ):
+        if freeze_step < 0:
+            raise ValueError(f"freeze_step must be >= 0, got {freeze_step}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults, process_group, allreduce_dtype)
+        self.freeze_step = freeze_step
+        for i, (flat, buffers) in enumerate(zip(self._flat, self._buffers)):
+            buffers["exp_avg"] = flat.zeros()
+            # Holds v during warm-up and, once frozen, its final denominator sqrt(v/bc2)+eps.
+            buffers["exp_avg_sq"] = flat.zeros()
+            self._comms[i] = OneBitAllReduce(flat.numel, group=process_group, device=flat.device, ledger=self.ledger)
+            self._scalars[i] = {"variance_updates": 0, "frozen": 0}
+
+    def _step(self) -> tuple[bool, bool, int]:
+        t = self.step_count
+        warmup = t < self.freeze_step
+        for group, flat, buffers, comm, scalars in zip(self.param_groups, self._flat, self._buffers, self._comms, self._scalars):
+            if not flat.numel:
+                continue
+            (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+            corrected = group["bias_correction"]
+            m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
+            if warmup:
+                grad = self._allreduce(flat.flat_grad())
+                m.lerp_(grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                scalars["variance_updates"] += 1
+                denom = self._denominator(v, eps, 1 - beta2 ** scalars["variance_updates"] if corrected else 1.0)
+            else:
+                if not scalars["frozen"]:
+                    v.copy_(self._denominator(v, eps, 1 - beta2 ** scalars["variance_updates"] if corrected else 1.0))
+                    scalars["frozen"] = 1
+                denom = v
+                m_views = flat.views(m)
+                grads, with_grad, without = flat.split_by_grad(m_views)
+                torch._foreach_lerp_(with_grad, grads, 1 - beta1)
+                if without:
+                    torch._foreach_mul_(without, beta1)
+                comm.op(m)
+                m.masked_fill_(denom == eps, 0.0)
+            step_size = lr / (1 - beta1 ** (t + 1)) if corrected else lr
+            if group["weight_decay"]:
+                torch._foreach_mul_(flat.params, 1 - lr * group["weight_decay"])
+            torch._foreach_addcdiv_(flat.params, flat.views(m), flat.views(denom), value=-step_size)
+        return True, warmup, 1

@@ -1,0 +1,143 @@
+"""ZeroOneAdam: 0/1 Adam (Lu et al., ICLR 2023, Algorithm 1; docs/zero-one-adam.md).
+
+Per step t with lr gamma (divided by 1 - b1^(t+1) when bias_correction is on):
+  variance step (t in T_v): g_bar = full-precision allreduce of the gradients;
+      v <- b2*v + (1-b2)*g_bar^2; m <- b1*m + (1-b1)*g_bar; x <- x - gamma*m/(sqrt(v)+eps).
+      Using g_bar for the momentum too (as the authors' implementation does) makes the step a
+      sync without a 1-bit round: m, v and x are identical on all ranks afterwards.
+  other steps: m <- b1*m + (1-b1)*g (local); u <- u + gamma*m; x <- x - gamma*m/denom (local step).
+  sync step (t in T_u): u_bar = 1-bit allreduce of u;  x <- decay*x_anchor - u_bar/denom;
+      m <- u_bar / sum(gamma since the last sync); u <- 0; x_anchor <- x.
+x_anchor (x after the last sync), u_bar and denom are identical on every rank, so x and m are
+bit-identical after every sync. Weight decay is decoupled: the local steps apply it to x, and the
+sync applies the product of the (1 - lr*wd) factors since the anchor; it never enters u or m.
+u lives in the 1-bit allreduce's own error buffer (its accumulator), so the persistent state is
+m, v, x_anchor, the worker buffer and the server chunk: 4 + 1/n fp32 copies of the model.
+Parameters whose variance is exactly zero (zero gradient at every variance step) do not move:
+sign compression would otherwise turn their zero momentum into noise. Once no variance update can
+come (t >= var_freeze_step) v is replaced in place by its denominator, saving two passes per step.
+"""
+
+import torch
+
+from zoa_train.comm import OneBitAllReduce
+from zoa_train.optim.base import DataParallelOptimizer
+from zoa_train.optim.schedules import ZeroOneSchedule
+
+
+class ZeroOneAdam(DataParallelOptimizer):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bias_correction: bool = False,
+        var_freeze_step: int = 100_000,
+        var_update_scaler: int = 16,
+        local_steps: str = "lr",
+        local_step_clip: int = 16,
+        local_step_scaler: int = 32_768,
+        local_step_interval: int = 1,
+        process_group=None,
+        allreduce_dtype: torch.dtype | None = None,
+    ):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults, process_group, allreduce_dtype)
+        self.schedule = ZeroOneSchedule(
+            var_freeze_step=var_freeze_step,
+            var_update_scaler=var_update_scaler,
+            local_steps=local_steps,
+            local_step_clip=local_step_clip,
+            local_step_scaler=local_step_scaler,
+            local_step_interval=local_step_interval,
+        )
+        for i, (flat, buffers) in enumerate(zip(self._flat, self._buffers)):
+            buffers["exp_avg"] = flat.zeros()
+            # Holds v until the freeze and then its final denominator sqrt(v/bc2)+eps.
+            buffers["exp_avg_sq"] = flat.zeros()
+            buffers["anchor"] = torch.cat([p.detach().reshape(-1) for p in flat.params]) if flat.numel else flat.zeros()
+            self._comms[i] = OneBitAllReduce(flat.numel, group=process_group, device=flat.device, ledger=self.ledger)
+            self._scalars[i] = {"lr_sum": 0.0, "decay": 1.0, "frozen": 0}
+
+    def synchronize(self) -> None:
+        """Sync now if local steps are pending (e.g. before a final evaluation), so all ranks agree."""
+        if self.schedule.steps_since_sync:
+            with torch.no_grad():
+                for index in range(len(self._flat)):
+                    self._sync_group(index)
+            self.schedule.steps_since_sync = 0
+            self.ledger.end_step()
+
+    def _step(self) -> tuple[bool, bool, int]:
+        lead = next((g for g, f in zip(self.param_groups, self._flat) if f.numel), self.param_groups[0])
+        decision = self.schedule.advance(lead["lr"])
+        t = decision.step
+        for index, (group, flat, buffers, scalars) in enumerate(zip(self.param_groups, self._flat, self._buffers, self._scalars)):
+            if not flat.numel:
+                continue
+            (beta1, beta2), lr, wd = group["betas"], group["lr"], group["weight_decay"]
+            step_size = lr / (1 - beta1 ** (t + 1)) if group["bias_correction"] else lr
+            m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
+            params, m_views = flat.params, flat.views(m)
+
+            if decision.variance_update:
+                grad = self._allreduce(flat.flat_grad())
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                m.lerp_(grad, 1 - beta1)
+                if wd:
+                    torch._foreach_mul_(params, 1 - lr * wd)
+                torch._foreach_addcdiv_(params, m_views, flat.views(self._denominator_of(index, group)), value=-step_size)
+                torch._foreach_copy_(flat.views(buffers["anchor"]), params)
+                scalars.update(lr_sum=0.0, decay=1.0)
+                continue
+
+            grads, with_grad, without = flat.split_by_grad(m_views)
+            torch._foreach_lerp_(with_grad, grads, 1 - beta1)
+            if without:
+                torch._foreach_mul_(without, beta1)
+            self._comms[index].accumulator.add_(m, alpha=step_size)
+            scalars["lr_sum"] += step_size
+            scalars["decay"] *= 1 - lr * wd
+            if decision.sync:
+                self._sync_group(index)
+            else:
+                if wd:
+                    torch._foreach_mul_(params, 1 - lr * wd)
+                torch._foreach_addcdiv_(params, m_views, flat.views(self._denominator_of(index, group)), value=-step_size)
+        return decision.sync, decision.variance_update, decision.interval
+
+    def _sync_group(self, index: int) -> None:
+        """x <- decay*anchor - u_bar/denom and m <- u_bar/lr_sum, from data identical on every rank."""
+        group, flat, buffers, scalars = self.param_groups[index], self._flat[index], self._buffers[index], self._scalars[index]
+        if not flat.numel:
+            return
+        m, anchor = buffers["exp_avg"], buffers["anchor"]
+        denom = self._denominator_of(index, group)
+        self._comms[index].exchange(out=m)
+        m.masked_fill_(denom == group["eps"], 0.0)
+        params = flat.params
+        torch._foreach_copy_(params, flat.views(anchor))
+        if scalars["decay"] != 1.0:
+            torch._foreach_mul_(params, scalars["decay"])
+        torch._foreach_addcdiv_(params, flat.views(m), flat.views(denom), value=-1.0)
+        if scalars["lr_sum"] > 0:
+            m.div_(scalars["lr_sum"])
+        torch._foreach_copy_(flat.views(anchor), params)
+        scalars.update(lr_sum=0.0, decay=1.0)
+
+    def _denominator_of(self, index: int, group: dict) -> torch.Tensor:
+        """sqrt(v / bc2) + eps; computed each step until the freeze, then kept in place of v."""
+        v, scalars = self._buffers[index]["exp_avg_sq"], self._scalars[index]
+        if scalars["frozen"]:
+            return v
+        beta2 = group["betas"][1]
+        updates = self.schedule.variance_updates
+        bias_correction2 = 1 - beta2**updates if group["bias_correction"] and updates else 1.0
+        denom = self._denominator(v, group["eps"], bias_correction2)
+        if self.schedule.step >= self.schedule.var_freeze_step:  # no variance update can follow
+            v.copy_(denom)
+            scalars["frozen"] = 1
+            return v
+        return denom
