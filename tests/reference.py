@@ -41,3 +41,43 @@ def onebit_allreduce_reference(inputs, worker_errors, server_errors, numel):
         new_se.append(e)
         out[j * chunk : (j + 1) * chunk] = ss * sc
     return out[:numel], new_we, new_se
+
+
+def zero_one_adam_reference(x0, grad_fn, world_size, steps, lr_fn, schedule, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+    """0/1 Adam (Algorithm 1) on `world_size` emulated ranks with an exact average in place of the
+    1-bit allreduce. grad_fn(rank, step, x) gives each rank's gradient. Returns (xs, ms) per rank."""
+    b1, b2 = betas
+    n = world_size
+    xs = [x0.clone() for _ in range(n)]
+    ms = [torch.zeros_like(x0) for _ in range(n)]
+    us = [torch.zeros_like(x0) for _ in range(n)]
+    v = torch.zeros_like(x0)
+    anchor, lr_sum, decay = x0.clone(), 0.0, 1.0
+    for t in range(steps):
+        lr = lr_fn(t)
+        decision = schedule.advance(lr)
+        grads = [grad_fn(r, t, xs[r]) for r in range(n)]
+        if decision.variance_update:
+            g = sum(grads) / n
+            v = b2 * v + (1 - b2) * g * g
+            m = b1 * ms[0] + (1 - b1) * g
+            x = xs[0] * (1 - lr * weight_decay) - lr * m / (v.sqrt() + eps)
+            xs, ms = [x.clone() for _ in range(n)], [m.clone() for _ in range(n)]
+            anchor, lr_sum, decay = x.clone(), 0.0, 1.0
+            continue
+        denom = v.sqrt() + eps
+        for r in range(n):
+            ms[r] = b1 * ms[r] + (1 - b1) * grads[r]
+            us[r] = us[r] + lr * ms[r]
+        lr_sum += lr
+        decay *= 1 - lr * weight_decay
+        if decision.sync:
+            u_bar = sum(us) / n
+            u_bar[v == 0] = 0
+            x = anchor * decay - u_bar / denom
+            m = u_bar / lr_sum
+            xs, ms, us = [x.clone() for _ in range(n)], [m.clone() for _ in range(n)], [torch.zeros_like(x0) for _ in range(n)]
+            anchor, lr_sum, decay = x.clone(), 0.0, 1.0
+        else:
+            xs = [xs[r] * (1 - lr * weight_decay) - lr * ms[r] / denom for r in range(n)]
+    return xs, ms

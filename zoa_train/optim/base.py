@@ -134,11 +134,18 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _denominator(v: torch.Tensor, eps: float, bias_correction2: float) -> torch.Tensor:
-        """sqrt(v / bias_correction2) + eps as a new tensor."""
+        """sqrt(v / bias_correction2) + eps as a new tensor, and +inf where v == 0.
+
+        v == 0 means every averaged gradient so far was exactly zero. Adam would then divide a
+        momentum by eps alone; with frozen or stale v, any local or compressed momentum there
+        (noise from sign compression, a gradient that appears between variance updates) would
+        become a step of size lr/eps. An infinite denominator makes those coordinates stay put
+        and contribute nothing to what is compressed, on every rank alike.
+        """
         denom = torch.sqrt(v)
         if bias_correction2 != 1.0:
             denom.div_(bias_correction2**0.5)
-        return denom.add_(eps)
+        return denom.add_(eps).masked_fill_(v == 0, float("inf"))
 
     def state_dict(self) -> dict:
         groups, index = [], 0

@@ -4,7 +4,8 @@ Full-precision data-parallel Adam for `freeze_step` steps; then the variance is 
 local momentum m = b1*m + (1-b1)*g is averaged through the error-compensated 1-bit allreduce
 every step. Every rank unpacks the same average, so parameters stay identical without a rollback.
 Parameters whose variance is exactly zero (gradient zero at every full-precision step) are not
-moved: sign compression would otherwise turn their zero momentum into noise.
+moved (infinite denominator, see DataParallelOptimizer._denominator): sign compression would
+otherwise turn their zero momentum into noise.
 """
 
 import torch
@@ -64,7 +65,6 @@ class OneBitAdam(DataParallelOptimizer):
                 if without:
                     torch._foreach_mul_(without, beta1)
                 comm.op(m)
-                m.masked_fill_(denom == eps, 0.0)
             step_size = lr / (1 - beta1 ** (t + 1)) if corrected else lr
             if group["weight_decay"]:
                 torch._foreach_mul_(flat.params, 1 - lr * group["weight_decay"])

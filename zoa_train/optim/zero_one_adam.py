@@ -5,16 +5,23 @@ Per step t with lr gamma (divided by 1 - b1^(t+1) when bias_correction is on):
       v <- b2*v + (1-b2)*g_bar^2; m <- b1*m + (1-b1)*g_bar; x <- x - gamma*m/(sqrt(v)+eps).
       Using g_bar for the momentum too (as the authors' implementation does) makes the step a
       sync without a 1-bit round: m, v and x are identical on all ranks afterwards.
-  other steps: m <- b1*m + (1-b1)*g (local); u <- u + gamma*m; x <- x - gamma*m/denom (local step).
-  sync step (t in T_u): u_bar = 1-bit allreduce of u;  x <- decay*x_anchor - u_bar/denom;
-      m <- u_bar / sum(gamma since the last sync); u <- 0; x_anchor <- x.
-x_anchor (x after the last sync), u_bar and denom are identical on every rank, so x and m are
+  other steps: m <- b1*m + (1-b1)*g (local); w <- w + gamma*m/denom; x <- x - gamma*m/denom (local step).
+  sync step (t in T_u): w_bar = 1-bit allreduce of w;  x <- decay*x_anchor - w_bar;
+      m <- w_bar*denom / sum(gamma since the last sync); w <- 0; x_anchor <- x.
+w is the paper's u divided by the shared denominator denom = sqrt(v)+eps: the same on every rank
+between syncs, so averaging w is averaging u, and with an exact allreduce this is Algorithm 1 to
+the last bit of rounding. What changes is what the 1-bit compressor sees: a displacement, whose
+coordinates are all of Adam's O(lr) size, instead of u, whose coordinates span the range of the
+gradients. One global scale per chunk then fits every coordinate, whereas compressing u gives a
+rarely-active coordinate (small v) noise of the average size, which the division by its small
+denom turns into a large step; on small models this diverged in our tests.
+x_anchor (x after the last sync), w_bar and denom are identical on every rank, so x and m are
 bit-identical after every sync. Weight decay is decoupled: the local steps apply it to x, and the
 sync applies the product of the (1 - lr*wd) factors since the anchor; it never enters u or m.
-u lives in the 1-bit allreduce's own error buffer (its accumulator), so the persistent state is
+w lives in the 1-bit allreduce's own error buffer (its accumulator), so the persistent state is
 m, v, x_anchor, the worker buffer and the server chunk: 4 + 1/n fp32 copies of the model.
-Parameters whose variance is exactly zero (zero gradient at every variance step) do not move:
-sign compression would otherwise turn their zero momentum into noise. Once no variance update can
+Parameters whose variance is exactly zero (zero gradient at every variance step) do not move and
+add nothing to w (infinite denominator, see DataParallelOptimizer._denominator). Once no variance update can
 come (t >= var_freeze_step) v is replaced in place by its denominator, saving two passes per step.
 """
 
@@ -97,7 +104,8 @@ class ZeroOneAdam(DataParallelOptimizer):
             torch._foreach_lerp_(with_grad, grads, 1 - beta1)
             if without:
                 torch._foreach_mul_(without, beta1)
-            self._comms[index].accumulator.add_(m, alpha=step_size)
+            denom = self._denominator_of(index, group)
+            self._comms[index].accumulator.addcdiv_(m, denom, value=step_size)
             scalars["lr_sum"] += step_size
             scalars["decay"] *= 1 - lr * wd
             if decision.sync:
@@ -105,23 +113,25 @@ class ZeroOneAdam(DataParallelOptimizer):
             else:
                 if wd:
                     torch._foreach_mul_(params, 1 - lr * wd)
-                torch._foreach_addcdiv_(params, m_views, flat.views(self._denominator_of(index, group)), value=-step_size)
+                torch._foreach_addcdiv_(params, m_views, flat.views(denom), value=-step_size)
         return decision.sync, decision.variance_update, decision.interval
 
     def _sync_group(self, index: int) -> None:
-        """x <- decay*anchor - u_bar/denom and m <- u_bar/lr_sum, from data identical on every rank."""
+        """x <- decay*anchor - w_bar and m <- w_bar*denom/lr_sum, from data identical on every rank."""
         group, flat, buffers, scalars = self.param_groups[index], self._flat[index], self._buffers[index], self._scalars[index]
         if not flat.numel:
             return
         m, anchor = buffers["exp_avg"], buffers["anchor"]
         denom = self._denominator_of(index, group)
-        self._comms[index].exchange(out=m)
-        m.masked_fill_(denom == group["eps"], 0.0)
+        self._comms[index].exchange(out=m)  # m <- w_bar, the averaged displacement
+        inactive = denom == float("inf")  # v == 0: compression noise only
+        m.masked_fill_(inactive, 0.0)
         params = flat.params
         torch._foreach_copy_(params, flat.views(anchor))
         if scalars["decay"] != 1.0:
             torch._foreach_mul_(params, scalars["decay"])
-        torch._foreach_addcdiv_(params, flat.views(m), flat.views(denom), value=-1.0)
+        torch._foreach_sub_(params, flat.views(m))
+        m.mul_(denom).masked_fill_(inactive, 0.0)
         if scalars["lr_sum"] > 0:
             m.div_(scalars["lr_sum"])
         torch._foreach_copy_(flat.views(anchor), params)

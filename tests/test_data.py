@@ -1,0 +1,365 @@
+"""zoa_train.data: bundled corpus, text sources, tokenizers, token cache, LM batches and the distributed loader."""
+
+import json
+import lzma
+import re
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from zoa_train.data import (
+    BUNDLED_CORPUS,
+    IGNORE_INDEX,
+    CausalLMBlocks,
+    DistributedBatchLoader,
+    MaskedLMBlocks,
+    TextSource,
+    iter_texts,
+    lm_blocks,
+    load_or_build_tokens,
+    load_or_train_tokenizer,
+    prepare_lm_data,
+    shards,
+    validation_batches,
+)
+from zoa_train.data.lm import step_generator
+from zoa_train.data.sources import bundled_paragraphs
+from zoa_train.errors import UserError
+
+SENTENCE = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife."
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def gpt2(cache_dir):
+    return prepare_lm_data(TextSource("bundled"), "gpt2", cache_dir, vocab_size=8192)
+
+
+@pytest.fixture(scope="module")
+def bert(cache_dir):
+    return prepare_lm_data(TextSource("bundled"), "bert", cache_dir, vocab_size=8192)
+
+
+@pytest.fixture
+def count_encodes(monkeypatch):
+    """Counts calls to the token cache's encoder, i.e. whether anything was tokenized."""
+    calls = []
+    real = shards._encode
+
+    def counting(*args):
+        calls.append(len(args[1]))
+        return real(*args)
+
+    monkeypatch.setattr(shards, "_encode", counting)
+    return calls
+
+
+def write_txt(path, paragraphs):
+    path.write_text("\n\n".join(paragraphs) + "\n")
+    return str(path)
+
+
+# --- bundled corpus ---------------------------------------------------------------------------
+
+
+def test_bundled_corpus_is_over_a_megabyte_of_english_prose():
+    text = lzma.decompress(BUNDLED_CORPUS.read_bytes()).decode("utf-8")
+    assert len(text.encode()) >= 1_000_000
+    assert BUNDLED_CORPUS.stat().st_size < 1_100_000
+    letters_and_spaces = sum(c.isascii() and (c.isalpha() or c.isspace()) for c in text)
+    assert letters_and_spaces / len(text) > 0.9
+    words = re.findall(r"[a-z]+", text.lower())
+    assert len(set(words)) > 10_000
+    common = {w: words.count(w) for w in ("the", "and", "of", "to", "her")}
+    assert all(n > 5000 for n in common.values()), common
+    notice = (BUNDLED_CORPUS.parent / "NOTICE.md").read_text()
+    assert "public domain" in notice and "r-cran-janeaustenr" in notice
+
+
+def test_bundled_validation_split_is_the_held_out_tail():
+    paragraphs = bundled_paragraphs()
+    train = list(iter_texts(TextSource(), "train"))
+    validation = list(iter_texts(TextSource(), "validation"))
+    assert train + validation == paragraphs
+    assert 0.04 < len(validation) / len(paragraphs) < 0.06
+
+
+# --- local files and the hub ------------------------------------------------------------------
+
+
+def test_txt_files_by_paragraph_or_whole_file(tmp_path):
+    train = write_txt(tmp_path / "train.txt", ["First paragraph,\nwrapped.", "Second one.", "Third."])
+    val = write_txt(tmp_path / "val.txt", ["Held out."])
+    source = TextSource("files", train_files=(train,), validation_files=(val,))
+    assert list(iter_texts(source, "train", tmp_path / "hf")) == ["First paragraph,\nwrapped.", "Second one.", "Third."]
+    assert list(iter_texts(source, "validation", tmp_path / "hf")) == ["Held out."]
+    whole = TextSource("files", train_files=(train, val), txt_sample_by="document", validation_fraction=0.5)
+    assert list(iter_texts(whole, "validation", tmp_path / "hf")) == ["Held out."]
+
+
+def test_jsonl_with_a_named_field_and_held_out_tail(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"body": f"Document number {i}.", "id": i}) + "\n" for i in range(20)))
+    source = TextSource("files", train_files=(str(path),), text_field="body", validation_fraction=0.1)
+    assert list(iter_texts(source, "train", tmp_path / "hf")) == [f"Document number {i}." for i in range(18)]
+    assert list(iter_texts(source, "validation", tmp_path / "hf")) == ["Document number 18.", "Document number 19."]
+    with pytest.raises(UserError, match="'text'"):
+        list(iter_texts(TextSource("files", train_files=(str(path),)), "train", tmp_path / "hf"))
+
+
+def test_parquet_text_column_and_globs(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for part in range(2):
+        table = pa.table({"text": [f"Part {part} row {i}." for i in range(3)] + ["  "]})
+        pq.write_table(table, tmp_path / f"part-{part}.parquet")
+    source = TextSource("files", train_files=(str(tmp_path / "part-*.parquet"),), validation_fraction=0.25)
+    train = list(iter_texts(source, "train", tmp_path / "hf"))
+    assert train == ["Part 0 row 0.", "Part 0 row 1.", "Part 0 row 2.", "Part 1 row 0.", "Part 1 row 1."]
+
+
+def test_missing_or_unsupported_files_are_user_errors(tmp_path):
+    missing = str(tmp_path / "nope.txt")
+    with pytest.raises(UserError, match=re.escape(missing)):
+        list(iter_texts(TextSource("files", train_files=(missing,)), "train"))
+    with pytest.raises(UserError, match="No data file matches"):
+        list(iter_texts(TextSource("files", train_files=(str(tmp_path / "*.jsonl"),)), "train"))
+    csv = tmp_path / "a.csv"
+    csv.write_text("text\nhello\n")
+    with pytest.raises(UserError, match="unsupported extension"):
+        list(iter_texts(TextSource("files", train_files=(str(csv),)), "train"))
+
+
+def test_hub_dataset_offline_is_a_clear_user_error(monkeypatch, tmp_path):
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # the env var is read at import
+    source = TextSource("wikitext", config="wikitext-103-raw-v1")
+    with pytest.raises(UserError, match=r"wikitext.*wikitext-103-raw-v1.*bundled"):
+        list(iter_texts(source, "train", tmp_path / "hf"))
+
+
+# --- tokenizers -------------------------------------------------------------------------------
+
+
+def test_gpt2_bpe_round_trip(gpt2, tmp_path):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    tok = gpt2.tokenizer
+    assert len(tok) == 8192 and tok.eos_token == "<|endoftext|>"
+    ids = tok(SENTENCE)["input_ids"]
+    assert tok.decode(ids) == SENTENCE  # byte-level: lossless
+    assert len(ids) < len(SENTENCE.split()) * 1.5  # whole words, not characters
+    for reloaded in (AutoTokenizer.from_pretrained(tok.name_or_path), PreTrainedTokenizerFast.from_pretrained(tok.name_or_path)):
+        assert reloaded(SENTENCE)["input_ids"] == ids and reloaded.eos_token_id == tok.eos_token_id
+    # A saved tokenizer given by path loads as a pretrained one.
+    again = load_or_train_tokenizer("gpt2", tok.name_or_path, [], 0, tmp_path / "unused")
+    assert again(SENTENCE)["input_ids"] == ids
+
+
+def test_bert_wordpiece_round_trip(bert):
+    from transformers import AutoTokenizer
+
+    tok = bert.tokenizer
+    assert len(tok) == 8192
+    assert tok.convert_ids_to_tokens(list(range(5))) == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    ids = tok(SENTENCE)["input_ids"]
+    assert ids[0] == tok.cls_token_id and ids[-1] == tok.sep_token_id and tok.unk_token_id not in ids
+    assert tok.decode(ids, skip_special_tokens=True).replace(" ,", ",").replace(" .", ".") == SENTENCE.lower()
+    reloaded = AutoTokenizer.from_pretrained(tok.name_or_path)
+    assert reloaded(SENTENCE)["input_ids"] == ids and reloaded.mask_token == "[MASK]"
+
+
+def test_trained_tokenizer_is_reused_and_missing_dirs_are_user_errors(gpt2, tmp_path):
+    def must_not_be_read():
+        raise AssertionError("the tokenizer was trained again")
+        yield
+
+    again = load_or_train_tokenizer("gpt2", None, must_not_be_read(), 8192, gpt2.tokenizer.name_or_path)
+    assert again(SENTENCE)["input_ids"] == gpt2.tokenizer(SENTENCE)["input_ids"]
+    with pytest.raises(UserError, match="does not exist"):
+        load_or_train_tokenizer("bert", str(tmp_path / "no-such-tokenizer"), [], 100, tmp_path / "x")
+    with pytest.raises(UserError, match="kind"):
+        load_or_train_tokenizer("t5", None, [], 100, tmp_path / "x")
+
+
+# --- token cache ------------------------------------------------------------------------------
+
+
+def test_token_cache_matches_the_tokenizer_and_is_reused(gpt2, cache_dir, tmp_path, count_encodes):
+    docs = [f"Paragraph {i}: {SENTENCE}" for i in range(40)]
+    source = TextSource("files", train_files=(write_txt(tmp_path / "a.txt", docs),))
+    first = load_or_build_tokens(source, "train", gpt2.tokenizer, tmp_path / "cache")
+    assert count_encodes
+    expected = [t for d in docs[:-2] for t in gpt2.tokenizer(d)["input_ids"] + [gpt2.tokenizer.eos_token_id]]
+    assert first.dtype == np.uint16 and first.tolist() == expected
+
+    count_encodes.clear()
+    second = load_or_build_tokens(source, "train", gpt2.tokenizer, tmp_path / "cache")
+    assert not count_encodes and np.array_equal(first, second)
+    # The bundled splits were built once, by the fixture.
+    assert len(load_or_build_tokens(TextSource(), "validation", gpt2.tokenizer, cache_dir)) > 40_000
+    assert not count_encodes
+
+    # A changed file is a new cache entry, not a stale hit.
+    time.sleep(0.01)
+    write_txt(tmp_path / "a.txt", docs[:10])
+    assert len(load_or_build_tokens(source, "train", gpt2.tokenizer, tmp_path / "cache")) < len(first)
+    assert count_encodes
+
+
+def test_token_cache_never_leaves_a_partial_file(gpt2, tmp_path, monkeypatch):
+    source = TextSource("files", train_files=(write_txt(tmp_path / "a.txt", [SENTENCE] * 100),))
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(shards, "ENCODE_BATCH", 10)
+    real, calls = shards._encode, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as if the job were killed mid-write
+        return real(*args)
+
+    monkeypatch.setattr(shards, "_encode", failing)
+    with pytest.raises(KeyboardInterrupt):
+        load_or_build_tokens(source, "train", gpt2.tokenizer, cache)
+    assert [p.suffix for p in cache.iterdir() if p.is_file()] == [".lock"]  # no .bin, no .json, no temporary file
+    monkeypatch.setattr(shards, "_encode", real)
+    assert len(load_or_build_tokens(source, "train", gpt2.tokenizer, cache)) > 0
+
+
+def test_concurrent_ranks_build_the_cache_once(gpt2, tmp_path, monkeypatch):
+    source = TextSource("files", train_files=(write_txt(tmp_path / "a.txt", [SENTENCE] * 200),))
+    real, builds = shards._build, []
+
+    def slow_build(*args):
+        builds.append(1)
+        time.sleep(0.3)  # widen the window in which the other rank arrives
+        return real(*args)
+
+    monkeypatch.setattr(shards, "_build", slow_build)
+    results = [None, None]
+
+    def rank(r):
+        results[r] = load_or_build_tokens(source, "train", gpt2.tokenizer, tmp_path / "cache")
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]  # flock also excludes threads: separate opens
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1 and np.array_equal(results[0], results[1])
+
+
+# --- blocks, masking, loader ------------------------------------------------------------------
+
+
+def numbered_blocks(num_blocks, seq_len=4):
+    """A token stream whose block i is filled with the value i, to read block indices back from batches."""
+    return CausalLMBlocks(np.repeat(np.arange(num_blocks, dtype=np.uint16), seq_len), seq_len)
+
+
+def test_causal_blocks_tile_the_stream_and_labels_are_inputs(gpt2):
+    blocks = CausalLMBlocks(gpt2.train, 128)
+    assert len(blocks) == len(gpt2.train) // 128
+    batch = blocks.batch(np.array([5, 6, 0]), step_generator(0))
+    assert batch["input_ids"].shape == (3, 128) and batch["input_ids"].dtype == torch.int64
+    assert torch.equal(batch["labels"], batch["input_ids"])  # HF convention: the model shifts
+    stream = torch.from_numpy(gpt2.train[5 * 128 : 7 * 128].astype(np.int64))
+    assert torch.equal(batch["input_ids"][:2].flatten(), stream)
+    assert torch.equal(batch["input_ids"][2], torch.from_numpy(gpt2.train[:128].astype(np.int64)))
+
+
+def test_mlm_masking_rates_specials_and_determinism(bert):
+    tok = bert.tokenizer
+    blocks = MaskedLMBlocks(bert.train, 128, tok)
+    indices = np.arange(512)
+    batch = blocks.batch(indices, step_generator(1, 0, 7))
+    original = torch.cat(
+        [torch.full((512, 1), tok.cls_token_id), blocks.stream.rows(indices), torch.full((512, 1), tok.sep_token_id)], dim=1
+    )
+    ids, labels = batch["input_ids"], batch["labels"]
+    special = torch.isin(original, torch.tensor(tok.all_special_ids))
+    assert special[:, 0].all() and special[:, -1].all() and special[:, 1:-1].any()  # documents' [SEP]s inside blocks too
+    chosen = labels != IGNORE_INDEX
+    assert not (chosen & special).any() and torch.equal(ids[special], original[special])
+    assert torch.equal(labels[chosen], original[chosen])
+    assert abs(chosen.sum() / (~special).sum() - 0.15) < 0.005
+    masked = (ids[chosen] == tok.mask_token_id).float().mean()
+    unchanged = (ids[chosen] == original[chosen]).float().mean()
+    assert abs(masked - 0.8) < 0.015 and abs(unchanged - 0.1) < 0.015 and abs(1 - masked - unchanged - 0.1) < 0.015
+    assert torch.equal(ids[~chosen], original[~chosen])
+
+    same = blocks.batch(indices, step_generator(1, 0, 7))
+    assert torch.equal(same["input_ids"], ids) and torch.equal(same["labels"], labels)
+    for other in (step_generator(1, 0, 8), step_generator(1, 1, 7), step_generator(2, 0, 7)):
+        assert not torch.equal(blocks.batch(indices, other)["labels"], labels)
+
+
+def test_ranks_see_disjoint_blocks_and_epochs_reshuffle():
+    blocks = numbered_blocks(103)
+    seen = {}
+    for rank in range(2):
+        loader = DistributedBatchLoader(blocks, 5, rank=rank, world_size=2, seed=3)
+        assert len(loader) == 10
+        epoch0 = [next(loader)["input_ids"][:, 0] for _ in range(len(loader))]
+        epoch1 = [next(loader)["input_ids"][:, 0] for _ in range(len(loader))]
+        seen[rank] = torch.cat(epoch0).tolist()
+        assert len(set(seen[rank])) == 50 and torch.cat(epoch1).tolist() != seen[rank]
+    assert not set(seen[0]) & set(seen[1])
+    # The same global batch at another world size with the same global batch size.
+    single = DistributedBatchLoader(blocks, 10, rank=0, world_size=1, seed=3)
+    assert next(single)["input_ids"][:, 0].tolist() == seen[0][:5] + seen[1][:5]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_resume_gives_the_same_batches_as_an_uninterrupted_run(kind, gpt2, bert):
+    data = gpt2 if kind == "gpt2" else bert
+    blocks = lm_blocks(kind, data.validation, 32, data.tokenizer)
+
+    def loader():
+        return DistributedBatchLoader(blocks, 8, rank=1, world_size=2, seed=11)
+
+    uninterrupted = loader()
+    steps = len(uninterrupted) + 3  # resume inside the second epoch
+    reference = [next(uninterrupted) for _ in range(steps + 5)]
+
+    interrupted = loader()
+    for _ in range(steps):
+        next(interrupted)
+    state = json.loads(json.dumps(interrupted.state_dict()))  # as it would come back from a checkpoint
+    resumed = loader()
+    resumed.load_state_dict(state)
+    for expected in reference[steps:]:
+        batch = next(resumed)
+        assert all(torch.equal(batch[k], expected[k]) for k in ("input_ids", "labels"))
+
+    other = DistributedBatchLoader(blocks, 8, rank=0, world_size=4, seed=11)
+    with pytest.raises(UserError, match="world_size"):
+        other.load_state_dict(state)
+
+
+def test_validation_batches_are_fixed_and_split_across_ranks():
+    blocks = numbered_blocks(45)
+    per_rank = [[b["input_ids"][:, 0].tolist() for b in validation_batches(blocks, 4, rank=r, world_size=2)] for r in range(2)]
+    assert [len(p) for p in per_rank] == [5, 5]
+    flat = [sum(p, []) for p in per_rank]
+    assert flat[0] == list(range(20)) and flat[1] == list(range(22, 42))
+    assert [b["input_ids"][:, 0].tolist() for b in validation_batches(blocks, 4, rank=1, world_size=2)] == per_rank[1]
+    assert len(list(validation_batches(blocks, 4, max_batches=2))) == 2
+    with pytest.raises(UserError, match="validation data has 45 blocks"):
+        next(validation_batches(blocks, 16, world_size=4))
+
+
+def test_too_little_data_for_the_batch_is_a_user_error():
+    with pytest.raises(UserError, match="fewer than world size x micro batch size = 64"):
+        DistributedBatchLoader(numbered_blocks(63), 16, world_size=4)

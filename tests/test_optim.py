@@ -1,0 +1,250 @@
+"""Multi-process properties of the three optimizers (Gloo on CPU)."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from distributed_harness import run_ranks
+from reference import zero_one_adam_reference
+from zoa_train.optim import DataParallelAdam, LRSchedule, OneBitAdam, ZeroOneAdam, ZeroOneSchedule
+
+DIM = 40
+
+
+class ExactAllReduce:
+    """Stands in for OneBitAllReduce in tests: the exact average, same interface."""
+
+    def __init__(self, numel):
+        self._acc = torch.zeros(numel)
+
+    @property
+    def accumulator(self):
+        return self._acc
+
+    def exchange(self, out, addend=None):
+        out.copy_(self._acc if addend is None else self._acc + addend)
+        dist.all_reduce(out)
+        out.div_(dist.get_world_size())
+        self._acc.zero_()
+        return out
+
+    def op(self, tensor):
+        return self.exchange(tensor.view(-1), addend=tensor.view(-1).clone())
+
+
+def quadratic_problem(rank: int, step: int):
+    """Rank- and step-dependent least squares: grad = A^T (A x - b)."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    a = torch.randn(8, DIM, generator=g)
+    b = torch.randn(8, generator=g) + rank
+    return a, b
+
+
+def quadratic_grad(rank, step, x):
+    a, b = quadratic_problem(rank, step)
+    return a.T @ (a @ x - b)
+
+
+def x0():
+    return torch.linspace(-1, 1, DIM)
+
+
+def _train_quadratic(rank, world_size, name, kwargs, steps, exact, lr_kwargs):
+    lr = LRSchedule(**lr_kwargs)
+    x = torch.nn.Parameter(x0())
+    cls = {"zero_one": ZeroOneAdam, "onebit": OneBitAdam, "adam": DataParallelAdam}[name]
+    opt = cls([x], lr=lr(0), **kwargs)
+    if exact:
+        opt._comms = [ExactAllReduce(x.numel())]
+    records = []
+    for t in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr(t)
+        x.grad = quadratic_grad(rank, t, x.detach())
+        opt.step()
+        records.append(opt.last_step)
+    return x.detach().clone(), opt._buffers[0]["exp_avg"].clone(), records
+
+
+LR = dict(name="exponential", lr=0.02, warmup_steps=5, decay_factor=0.5, decay_every=10)
+
+
+def test_exact_compressor_zero_one_adam_equals_adam_when_every_step_updates_the_variance():
+    every_step = dict(var_freeze_step=1000, var_update_scaler=10**6)
+    zero_one = run_ranks(_train_quadratic, 2, "zero_one", every_step, 50, True, LR)
+    adam = run_ranks(_train_quadratic, 2, "adam", {}, 50, False, LR)
+    onebit = run_ranks(_train_quadratic, 2, "onebit", dict(freeze_step=1000), 50, False, LR)
+    for r in range(2):
+        torch.testing.assert_close(zero_one[r][0], adam[r][0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(onebit[r][0], adam[r][0], rtol=1e-6, atol=1e-6)
+        assert all(rec.variance_updated and rec.synced for rec in zero_one[r][2])
+
+
+def test_exact_compressor_zero_one_adam_follows_algorithm_1_through_freeze_and_local_steps():
+    knobs = dict(var_freeze_step=12, var_update_scaler=2, local_steps="lr", local_step_clip=4)
+    ranks = run_ranks(_train_quadratic, 2, "zero_one", dict(knobs, weight_decay=0.1), 50, True, LR)
+    lr = LRSchedule(**LR)
+    xs, ms = zero_one_adam_reference(x0(), quadratic_grad, 2, 50, lr, ZeroOneSchedule(**knobs), weight_decay=0.1)
+    records = ranks[0][2]
+    assert any(not rec.synced for rec in records) and any(rec.interval == 4 for rec in records)
+    for r in range(2):
+        torch.testing.assert_close(ranks[r][0], xs[r], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ranks[r][1], ms[r], rtol=1e-5, atol=1e-5)
+
+
+def _sync_invariants(rank, world_size, weight_decay):
+    torch.manual_seed(0)  # the same init everywhere; the optimizer broadcasts rank 0's anyway
+    emb = torch.nn.Embedding(20, 6)
+    head = torch.nn.Linear(6, 3)
+    frozen_rows = emb.weight.detach()[10:].clone()
+    params = [{"params": emb.parameters()}, {"params": head.parameters(), "lr": 0.02}, {"params": []}]
+    opt = ZeroOneAdam(params, lr=0.05, weight_decay=weight_decay, var_freeze_step=8, var_update_scaler=2, local_steps="fixed", local_step_interval=3)
+    lr_products = torch.ones(())
+    snapshots = []
+    for t in range(30):
+        g = torch.Generator().manual_seed(100 * rank + t)
+        tokens = torch.randint(0, 10, (16,), generator=g)  # rows 10.. never get a gradient
+        loss = torch.nn.functional.cross_entropy(head(emb(tokens)), torch.randint(0, 3, (16,), generator=g))
+        opt.zero_grad()
+        loss.backward()
+        if t % 5 == 0:
+            head.bias.grad = None  # a parameter without gradient in a step
+        opt.step()
+        lr_products *= 1 - 0.05 * weight_decay
+        if opt.last_step.synced:
+            flat = torch.cat([p.detach().reshape(-1) for p in opt.param_groups[0]["params"] + opt.param_groups[1]["params"]])
+            momentum = torch.cat([b["exp_avg"] for b in opt._buffers])
+            snapshots.append((t, flat.clone(), momentum.clone()))
+    return snapshots, emb.weight.detach()[10:].clone(), frozen_rows * lr_products, opt.ledger.average_bits_per_param
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_real_compression_keeps_ranks_bit_identical_and_zero_gradient_rows_still(world_size):
+    ranks = run_ranks(_sync_invariants, world_size, 0.0)
+    steps = [t for t, _, _ in ranks[0][0]]
+    assert len(steps) >= 12 and any(b - a == 3 for a, b in zip(steps, steps[1:]))  # local steps happened
+    for r in range(1, world_size):
+        for (t0, x0_, m0), (t1, x1, m1) in zip(ranks[0][0], ranks[r][0]):
+            assert t0 == t1 and torch.equal(x0_, x1) and torch.equal(m0, m1), f"rank {r} differs at step {t0}"
+    for snapshots, rows, initial_rows, bits in ranks:
+        assert torch.equal(rows, initial_rows)  # never-used embedding rows did not move
+        assert 0 < bits < 8
+
+
+def test_weight_decay_only_shrinks_zero_gradient_rows():
+    snapshots, rows, decayed_rows, _ = run_ranks(_sync_invariants, 2, 0.1)[0]
+    torch.testing.assert_close(rows, decayed_rows, rtol=1e-6, atol=1e-7)
+
+
+def _momentum_under_weight_decay(rank, world_size, weight_decay):
+    x = torch.nn.Parameter(torch.ones(64))
+    opt = ZeroOneAdam([x], lr=0.01, weight_decay=weight_decay, var_freeze_step=4, var_update_scaler=1, local_steps="fixed", local_step_interval=2)
+    out = []
+    for t in range(20):
+        x.grad = torch.randn(64, generator=torch.Generator().manual_seed(10 * rank + t))  # independent of x
+        opt.step()
+        out.append(opt._buffers[0]["exp_avg"].clone())
+    return out
+
+
+def test_weight_decay_does_not_leak_into_the_rebuilt_momentum():
+    plain = run_ranks(_momentum_under_weight_decay, 2, 0.0)[0]
+    decayed = run_ranks(_momentum_under_weight_decay, 2, 0.5)[0]
+    assert all(torch.equal(a, b) for a, b in zip(plain, decayed))
+
+
+def _resume(rank, world_size, steps, save_at, path, load):
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt_kwargs = dict(lr=0.01, var_freeze_step=10, var_update_scaler=2, local_steps="fixed", local_step_interval=4, weight_decay=0.01)
+    opt = ZeroOneAdam(model.parameters(), **opt_kwargs)
+    start = 0
+    if load:
+        ckpt = torch.load(f"{path}.rank{rank}", weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        start = save_at
+    for t in range(start, steps):
+        g = torch.Generator().manual_seed(100 * rank + t)
+        loss = model(torch.randn(8, 12, generator=g)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if t + 1 == save_at and not load:
+            assert not opt.last_step.synced  # inside a local-step period
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f"{path}.rank{rank}")
+    return [p.detach().clone() for p in model.parameters()], opt.ledger.summary()
+
+
+def test_resume_inside_a_local_period_continues_the_same_trajectory(tmp_path):
+    path = str(tmp_path / "ckpt")
+    uninterrupted = run_ranks(_resume, 2, 40, 23, path, False)
+    resumed = run_ranks(_resume, 2, 40, 23, path, True)
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted[r][0], resumed[r][0]))
+        assert uninterrupted[r][1] == resumed[r][1]
+
+
+def _load_on_other_world_size(rank, world_size, path):
+    x = torch.nn.Parameter(torch.zeros(10))
+    opt = ZeroOneAdam([x])
+    with pytest.raises(ValueError, match="saved on 2 ranks and this run has 3"):
+        opt.load_state_dict(torch.load(path, weights_only=False))
+    return True
+
+
+def _save_two_ranks(rank, world_size, path):
+    x = torch.nn.Parameter(torch.zeros(10))
+    opt = ZeroOneAdam([x])
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+    return True
+
+
+def test_state_from_another_world_size_is_refused(tmp_path):
+    path = str(tmp_path / "state.pt")
+    run_ranks(_save_two_ranks, 2, path)
+    assert all(run_ranks(_load_on_other_world_size, 3, path))
+
+
+def _digits(rank, world_size, name, steps):
+    from sklearn.datasets import load_digits
+
+    data = load_digits()
+    features = torch.tensor(data.data, dtype=torch.float32) / 16.0
+    labels = torch.tensor(data.target)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10))
+    lr = LRSchedule("exponential", lr=3e-3, warmup_steps=20, decay_factor=0.5, decay_every=40)
+    # Bias correction on for both: with few variance updates an uncorrected v is far too small.
+    common = dict(lr=lr(0), weight_decay=1e-4, allreduce_dtype=torch.bfloat16, bias_correction=True)
+    if name == "adam":
+        opt = DataParallelAdam(model.parameters(), **common)
+    else:
+        opt = ZeroOneAdam(model.parameters(), var_freeze_step=40, var_update_scaler=1, local_steps="lr", local_step_clip=8, **common)
+    g = torch.Generator().manual_seed(rank)
+    shard = torch.arange(rank, len(labels), world_size)
+    for t in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = lr(t)
+        batch = shard[torch.randint(0, len(shard), (32,), generator=g)]
+        loss = torch.nn.functional.cross_entropy(model(features[batch]), labels[batch])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    if name != "adam":
+        opt.synchronize()
+    with torch.no_grad():
+        final = torch.nn.functional.cross_entropy(model(features), labels).item()
+    return final, opt.ledger.average_bits_per_param, opt.ledger.rounds
+
+
+def test_zero_one_adam_converges_like_adam_on_digits_with_under_one_bit():
+    steps = 300
+    adam_loss, adam_bits, adam_rounds = run_ranks(_digits, 4, "adam", steps)[0]
+    zoa_loss, zoa_bits, zoa_rounds = run_ranks(_digits, 4, "zero_one", steps)[0]
+    assert adam_bits == 16 and adam_rounds == steps
+    assert zoa_bits < 1.0 and zoa_rounds < steps
+    assert zoa_loss <= adam_loss * 1.05 + 1e-3, (zoa_loss, adam_loss)
