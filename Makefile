@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/zoa-train bench comm --sizes 1M,16M --nproc 2 --repeats 5
+	$(BIN)/zoa-train run recipes/gpt2_tiny.yaml --overwrite
 
 test: $(STAMP)
 	$(BIN)/python -m pytest

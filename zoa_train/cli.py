@@ -1,12 +1,18 @@
 """zoa-train command line.
 
-  zoa-train bench comm --sizes 1M,16M,64M --nproc 2      fp32 allreduce vs 1-bit allreduce
+  zoa-train run recipes/gpt2_tiny.yaml                     2 local CPU ranks (train.nproc), started here
+  zoa-train run recipes/gpt2.yaml --set optimizer.name=adam --nproc 8
+  torchrun --nproc-per-node 8 -m zoa_train.cli run recipes/gpt2.yaml      one process per rank
+  srun --ntasks-per-node 8 zoa-train run recipes/bert_large.yaml           rank and master from Slurm
+  zoa-train bench comm --sizes 1M,16M,64M --nproc 2        fp32 allreduce vs 1-bit allreduce
 """
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
+import click
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -37,6 +43,108 @@ def main(
     version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
 ) -> None:
     """Communication-efficient distributed training with 0/1 Adam."""
+
+
+@app.command("run")
+def run_command(
+    recipe: Annotated[Path, typer.Argument(help="A YAML recipe, e.g. recipes/gpt2_tiny.yaml.")],
+    set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
+    nproc: Annotated[int, typer.Option(help="Local ranks to start when not under torchrun/srun. [default: the recipe's train.nproc]")] = 0,
+    out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]")] = None,
+    resume: Annotated[str, typer.Option(help="auto (latest complete checkpoint in the run directory) or a checkpoint directory.")] = "",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Empty a non-empty run directory first.")] = False,
+) -> None:
+    """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
+    import shutil
+
+    from zoa_train.config import check_batch_layout, load_recipe
+    from zoa_train.distributed import cluster_environment, launch_local
+    from zoa_train.train import checkpoint as ckpt
+    from zoa_train.train.trainer import check_resumable, run_rank
+
+    config = load_recipe(recipe, set_)
+    run_dir = out or Path("runs") / recipe.stem
+    if resume and overwrite:
+        fail("--resume and --overwrite cannot be used together.")
+    if resume and resume != "auto" and not Path(resume).is_dir():
+        fail(f"--resume {resume}: no such checkpoint directory.")
+    launcher = cluster_environment()
+    if launcher is None:
+        world = nproc or config.train.nproc
+        if world < 1:
+            fail("--nproc must be at least 1.")
+        check_batch_layout(config, world, str(recipe))
+        if resume:
+            latest = ckpt.complete_checkpoints(run_dir / "checkpoints")
+            target = Path(resume) if resume != "auto" else (latest[-1] if latest else None)
+            if target is not None:
+                check_resumable(target, world)
+        elif run_dir.exists() and any(run_dir.iterdir()):
+            if not overwrite:
+                fail(f"run directory {run_dir} is not empty: pass --resume auto to continue it or --overwrite to start again.")
+            shutil.rmtree(run_dir)
+        results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None)
+    else:
+        results = [run_rank(config.to_dict(), str(run_dir), resume or None)]
+    for result in results:
+        if result and "user_error" in result:
+            fail(result["user_error"])
+    if results[0]:
+        console.print(results[0])
+
+
+@app.command("plan")
+def plan_command(
+    recipe: Annotated[Path, typer.Argument(help="A YAML recipe: its optimizer knobs, lr schedule, steps and model size are read.")],
+    set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
+    world_size: Annotated[int, typer.Option(help="Data-parallel ranks to plan for. [default: 64]")] = 64,
+    bandwidth: Annotated[str, typer.Option(help="Per-rank link bandwidth, e.g. 10Gbit, 100Gbit, 25GB. [default: 10Gbit]")] = "10Gbit",
+    latency: Annotated[str, typer.Option(help="Per-message latency, e.g. 20us, 1ms. [default: 20us]")] = "20us",
+    params: Annotated[int, typer.Option(help="Parameter count. [default: counted from the recipe's model]")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by optimizer name.")] = False,
+) -> None:
+    """Communication of Adam, 1-bit Adam and 0/1 Adam over a whole recipe, without training."""
+    from zoa_train.config import load_recipe
+    from zoa_train.optim.plan import format_plan, parse_bandwidth, parse_latency, plan
+    from zoa_train.train.trainer import lr_schedule
+
+    config = load_recipe(recipe, set_)
+    if world_size < 1:
+        fail("--world-size must be at least 1.")
+    o = config.optimizer
+    result = plan(
+        config.train.steps,
+        lr_schedule(config),
+        world_size,
+        params or count_parameters(config),
+        freeze_step=o.freeze_step,
+        var_freeze_step=o.var_freeze_step,
+        var_update_scaler=o.var_update_scaler,
+        local_steps=o.local_steps,
+        local_step_clip=o.local_step_clip,
+        local_step_scaler=o.local_step_scaler,
+        local_step_interval=o.local_step_interval,
+        allreduce_bits=32 if o.allreduce_dtype == "fp32" else 16,
+        bandwidth_bytes_per_s=parse_bandwidth(bandwidth),
+        latency_s=parse_latency(latency),
+        betas=o.betas,
+    )
+    if as_json:
+        print(json.dumps(result))
+    else:
+        console.print(format_plan(result))
+
+
+def count_parameters(config) -> int:
+    """Parameters of the recipe's model, built on the meta device (no memory, no download); the
+    vocabulary is data.vocab_size, the size of a tokenizer trained for the recipe."""
+    import torch
+
+    from zoa_train.models import build_model
+
+    with torch.device("meta"):
+        model = build_model(config.model, config.data.vocab_size, config.data.seq_len)
+    return sum(p.numel() for p in model.parameters())
 
 
 @bench_app.command("comm")
@@ -87,7 +195,18 @@ def bench_comm(
 def run() -> None:
     """Console entry point: user errors raised deep inside become one sentence and exit code 2."""
     try:
-        app()
+        app(standalone_mode=False)
     except UserError as e:
         Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False)
         sys.exit(2)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    run()

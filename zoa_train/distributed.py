@@ -1,6 +1,14 @@
-"""Process-group set-up: run in-process under torchrun, or start local ranks through torch's elastic launcher."""
+"""Process groups: join one started by torchrun or srun, or start local ranks through torch's elastic launcher.
+
+Cluster environments are recognised from their variables:
+  torchrun  RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT
+  srun      SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID; the master is the job's first node
+            (SLURM_JOB_NODELIST, expanded by `scontrol show hostnames`) and MASTER_PORT or 29500.
+"""
 
 import os
+import re
+import subprocess
 import uuid
 
 import torch
@@ -11,13 +19,40 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def launched_externally() -> bool:
-    """True when a launcher (torchrun) already set this process's rank and world size."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+def cluster_environment() -> str | None:
+    """'torchrun', 'slurm' or None (not started by a launcher)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return "torchrun"
+    if "SLURM_PROCID" in os.environ and "SLURM_NTASKS" in os.environ and "SLURM_STEP_ID" in os.environ:
+        return "slurm"
+    return None
+
+
+def first_slurm_node(nodelist: str) -> str:
+    """The first host of a Slurm node list such as 'gpu[003-010,012],cpu1'."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True)
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        match = re.match(r"([^,\[]+)(?:\[(\d+))?", nodelist)
+        if not match:
+            raise ValueError(f"cannot read the Slurm node list {nodelist!r}") from None
+        return match.group(1) + (match.group(2) or "")
+
+
+def export_slurm_environment() -> None:
+    """Translate srun's variables into the ones torch.distributed reads."""
+    os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
+    os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
+    os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    os.environ.setdefault("MASTER_ADDR", first_slurm_node(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")))
+    os.environ.setdefault("MASTER_PORT", "29500")
 
 
 def init_process_group(backend: str | None = None) -> torch.device:
     """Join the process group described by the environment; returns this rank's device."""
+    if cluster_environment() == "slurm":
+        export_slurm_environment()
     backend = backend or default_backend()
     device = torch.device("cpu")
     if backend == "nccl":

@@ -1,0 +1,293 @@
+"""zoa_train.optim.plan: the counts of the authors' BERT-Large run, exact bytes and times on small
+cases, the unit parsers, and agreement with what ZeroOneAdam actually decides step by step."""
+
+import io
+import math
+import time
+
+import pytest
+import torch
+from rich.console import Console
+
+from zoa_train.errors import UserError
+from zoa_train.optim import LRSchedule, ZeroOneAdam
+from zoa_train.optim.plan import (
+    FULL_PRECISION,
+    LOCAL,
+    ONE_BIT,
+    format_plan,
+    onebit_call_bytes,
+    parse_bandwidth,
+    parse_latency,
+    plan,
+    zero_one_step_kinds,
+)
+
+# The authors' BERT-Large seq-128 recipe (docs/zero-one-adam.md, last paragraph of "Counting").
+BERT_STEPS = 152_500
+BERT_LR = LRSchedule("exponential", lr=4e-4, warmup_steps=12_500, decay_factor=0.99, decay_every=520)
+BERT_KNOBS = dict(
+    freeze_step=23_000,
+    var_freeze_step=12_500,
+    var_update_scaler=16,
+    local_step_clip=16,
+    local_step_scaler=32_678,
+    allreduce_bits=16,
+    bandwidth_bytes_per_s=parse_bandwidth("100Gbit"),
+    latency_s=parse_latency("20us"),
+)
+
+
+@pytest.fixture(scope="module")
+def bert():
+    """Both local-step policies of the BERT-Large run, and how long the "steps" plan took."""
+    start = time.perf_counter()
+    by_steps = plan(BERT_STEPS, BERT_LR, 64, 336_000_000, local_steps="steps", **BERT_KNOBS)
+    elapsed = time.perf_counter() - start
+    by_lr = plan(BERT_STEPS, BERT_LR, 64, 336_000_000, local_steps="lr", **BERT_KNOBS)
+    return by_steps, by_lr, elapsed
+
+
+def test_bert_large_matches_the_papers_counts(bert):
+    result, _, elapsed = bert
+    adam, onebit, zoa = result["adam"], result["onebit_adam"], result["zero_one_adam"]
+    assert adam["bits_per_param"] == 16.0 and adam["rounds"] == BERT_STEPS and adam["variance_updates"] == BERT_STEPS
+    # 23,000 fp16 steps then 129,500 one-bit steps: (23,000*16 + 129,500) / 152,500 = 3.262.
+    assert 3.24 <= onebit["bits_per_param"] <= 3.28
+    assert onebit["bits_per_param"] == pytest.approx((23_000 * 16 + 129_500) / BERT_STEPS)
+    assert onebit["rounds"] == BERT_STEPS and onebit["variance_updates"] == 23_000
+    assert 0.47 <= zoa["bits_per_param"] <= 0.53
+    assert 74_000 <= zoa["rounds"] <= 75_000
+    assert zoa["rounds"] == zoa["syncs"] == zoa["fp_allreduces"] + zoa["onebit_allreduces"]
+    assert zoa["bits_per_param"] == pytest.approx((16 * zoa["fp_allreduces"] + zoa["onebit_allreduces"]) / BERT_STEPS)
+    assert elapsed < 3.0
+
+
+def test_bert_variance_updates_by_hand_and_below_the_bound(bert):
+    """Gaps 2^floor(j/16): 16 gaps each of 1, 2, ..., 256 reach step 16*511 = 8,176 after 144 gaps
+    (145 updates), then gaps of 512 fit 8 more times before 12,500: |T_v| = 153."""
+    for result in bert[:2]:
+        zoa = result["zero_one_adam"]
+        assert zoa["variance_updates"] == 153
+        assert zoa["variance_update_bound"] == pytest.approx(math.log(0.1) / math.log(0.999))
+        assert zoa["variance_updates"] < zoa["variance_update_bound"]
+        assert zoa["max_interval"] <= 16
+
+
+def expected_syncs(segments):
+    """Syncs of a run split into (length, interval) segments, ignoring carry-over at boundaries."""
+    return sum(length / interval for length, interval in segments)
+
+
+def test_bert_rounds_by_policy_agree_with_a_count_by_segments(bert):
+    by_steps, by_lr, _ = bert
+    # "steps": interval 1 up to the freeze, then doubling every 32,678 steps, clipped at 16.
+    freeze, scaler = 12_500, 32_678
+    edges = [freeze + k * scaler for k in range(5)] + [BERT_STEPS]
+    steps_segments = [(freeze, 1)] + [(edges[k + 1] - edges[k], 2**k) for k in range(5)]
+    assert by_steps["zero_one_adam"]["rounds"] == pytest.approx(expected_syncs(steps_segments), abs=5)
+    assert by_steps["zero_one_adam"]["max_interval"] == 16
+    # "lr": the lr halves after ceil(1 / log2(1/0.99)) = 69 decays of 520 steps (35,880 steps), longer
+    # than 32,678, and at the end it has halved only 3 times (269 decays): the interval stops at 8.
+    decays_per_halving = math.ceil(1 / math.log2(1 / 0.99))
+    assert decays_per_halving == 69
+    last_decays = (BERT_STEPS - 1 - freeze) // 520
+    assert math.floor(last_decays * math.log2(1 / 0.99)) == 3
+    halving = decays_per_halving * 520
+    lr_edges = [freeze + k * halving for k in range(4)] + [BERT_STEPS]
+    lr_segments = [(lr_edges[1], 1)] + [(lr_edges[k + 1] - lr_edges[k], 2**k) for k in range(1, 4)]
+    assert by_lr["zero_one_adam"]["rounds"] == pytest.approx(expected_syncs(lr_segments), abs=5)
+    assert by_lr["zero_one_adam"]["max_interval"] == 8
+    assert by_lr["zero_one_adam"]["rounds"] > by_steps["zero_one_adam"]["rounds"]
+    assert by_lr["zero_one_adam"]["variance_updates"] == by_steps["zero_one_adam"]["variance_updates"]
+
+
+def test_bert_step_kinds_respect_clip_and_freeze():
+    intervals, variance_steps = [], []
+    for decision, kind in zero_one_step_kinds(
+        BERT_STEPS, BERT_LR, var_freeze_step=12_500, var_update_scaler=16, local_steps="lr", local_step_clip=16
+    ):
+        intervals.append(decision.interval)
+        if kind == FULL_PRECISION:
+            variance_steps.append(decision.step)
+            assert decision.interval == 1 and decision.sync
+    assert max(intervals) <= 16
+    assert max(variance_steps) < 12_500
+    assert variance_steps[:17] == list(range(17))  # 16 gaps of 1
+
+
+def small_plan(**overrides):
+    """1,000 parameters, 2 ranks, 3 steps, fp32; alpha 1 ms, beta 1 MB/s.
+
+    Adam: ring allreduce 2*(2-1)*1000*4/2 = 4,000 bytes per step.
+    1-bit call: 1,000 padded to 1,008 (a multiple of 8*2), chunk 504, segment 504/8 + 4 = 67 bytes,
+    2*(2-1) segments = 134 bytes.
+    1-bit Adam (freeze 1): one fp32 allreduce, then two 1-bit calls.
+    0/1 Adam (var_freeze_step 1, fixed interval 2): step 0 is a variance step (fp32 allreduce),
+    step 1 local, step 2 a 1-bit sync."""
+    args = dict(
+        steps=3,
+        lr_schedule=LRSchedule("constant", lr=1e-3),
+        world_size=2,
+        num_params=1000,
+        freeze_step=1,
+        var_freeze_step=1,
+        local_steps="fixed",
+        local_step_interval=2,
+        bandwidth_bytes_per_s=1e6,
+        latency_s=1e-3,
+    )
+    args.update(overrides)
+    return plan(**args)
+
+
+def test_small_case_bytes_and_time_by_hand():
+    result = small_plan()
+    assert onebit_call_bytes(1000, 2) == 134
+    adam, onebit, zoa = result["adam"], result["onebit_adam"], result["zero_one_adam"]
+    assert adam["bytes_per_rank"] == 3 * 4000
+    assert onebit["bytes_per_rank"] == 4000 + 2 * 134
+    assert zoa["bytes_per_rank"] == 4000 + 134
+    fp_time, onebit_time = 2 * 1e-3 + 4000 / 1e6, (1e-3 + 67 / 1e6) * 2
+    assert adam["comm_time_s"] == pytest.approx(3 * fp_time)
+    assert onebit["comm_time_s"] == pytest.approx(fp_time + 2 * onebit_time)
+    assert zoa["comm_time_s"] == pytest.approx(fp_time + onebit_time)
+    assert (adam["rounds"], onebit["rounds"], zoa["rounds"]) == (3, 3, 2)
+    assert (zoa["fp_allreduces"], zoa["onebit_allreduces"], zoa["variance_updates"], zoa["syncs"]) == (1, 1, 1, 2)
+    assert (adam["bits_per_param"], onebit["bits_per_param"], zoa["bits_per_param"]) == (32, pytest.approx(34 / 3), 11)
+    assert zoa["collective_calls"] == 3  # one allreduce, two passes of the 1-bit call
+    assert zoa["max_interval"] == 2
+
+
+def test_bytes_with_three_ranks_and_fp16_and_one_rank():
+    result = small_plan(world_size=3, allreduce_bits=16)
+    # fp16 ring: 2*2*1000*2 // 3 = 2,666; 1-bit: 1,008 = 42*24, chunk 336, segment 46, 4 segments.
+    assert onebit_call_bytes(1000, 3) == 184
+    assert result["adam"]["bytes_per_rank"] == 3 * 2666
+    assert result["zero_one_adam"]["bytes_per_rank"] == 2666 + 184
+    assert result["adam"]["bits_per_param"] == 16 and result["zero_one_adam"]["bits_per_param"] == 17 / 3
+    alone = small_plan(world_size=1)
+    for name in ("adam", "onebit_adam", "zero_one_adam"):
+        assert alone[name]["bytes_per_rank"] == 0 and alone[name]["comm_time_s"] == 0.0
+        assert alone[name]["rounds"] == small_plan()[name]["rounds"]  # nominal counts do not depend on n
+
+
+def test_time_grows_with_latency_and_falls_with_bandwidth():
+    base = small_plan()
+    slower = small_plan(latency_s=1e-2)
+    faster = small_plan(bandwidth_bytes_per_s=1e9)
+    for name in ("adam", "onebit_adam", "zero_one_adam"):
+        assert slower[name]["comm_time_s"] > base[name]["comm_time_s"] > faster[name]["comm_time_s"]
+        assert slower[name]["bytes_per_rank"] == base[name]["bytes_per_rank"] == faster[name]["bytes_per_rank"]
+
+
+def test_zero_steps_and_bad_arguments():
+    empty = small_plan(steps=0)
+    assert all(empty[name]["bits_per_param"] == 0.0 and empty[name]["rounds"] == 0 for name in empty)
+    for overrides in (
+        dict(allreduce_bits=8),
+        dict(world_size=0),
+        dict(num_params=0),
+        dict(steps=-1),
+        dict(bandwidth_bytes_per_s=0),
+        dict(latency_s=-1.0),
+        dict(local_steps="sometimes"),
+        dict(local_step_clip=0),
+    ):
+        with pytest.raises(UserError):
+            small_plan(**overrides)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("10Gbit", 1.25e9),
+        ("10 Gbit/s", 1.25e9),
+        ("10gbit", 1.25e9),
+        ("100Mbit/s", 12.5e6),
+        ("1.25GB/s", 1.25e9),
+        ("500MB", 5e8),
+        ("5e8", 5e8),
+        ("123", 123.0),
+        (2.5e9, 2.5e9),
+    ],
+)
+def test_parse_bandwidth(text, expected):
+    assert parse_bandwidth(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["fast", "", "10Gb", "-1Gbit", "0", "0MB", "10 GB/h", "1Gbit/s/s", "Gbit", "inf"])
+def test_parse_bandwidth_rejects(text):
+    with pytest.raises(UserError, match="bandwidth") as info:
+        parse_bandwidth(text)
+    assert repr(text) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("20us", 2e-5), ("20 us", 2e-5), ("5ms", 5e-3), ("800ns", 8e-7), ("0.5s", 0.5), ("0.001", 1e-3), ("0", 0.0), (3e-6, 3e-6)],
+)
+def test_parse_latency(text, expected):
+    assert parse_latency(text) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("text", ["soon", "", "20 parsecs", "-1ms", "1ms/s", "us", "5 min"])
+def test_parse_latency_rejects(text):
+    with pytest.raises(UserError, match="latency") as info:
+        parse_latency(text)
+    assert repr(text) in str(info.value)
+
+
+def test_format_plan_shows_the_three_optimizers():
+    table = format_plan(small_plan())
+    out = io.StringIO()
+    Console(file=out, width=160).print(table)
+    text = out.getvalue()
+    for word in ("Adam", "1-bit Adam", "0/1 Adam", "|T_v|", "rounds", "syncs", "bits / param", "bytes / rank", "comm time", "vs Adam"):
+        assert word in text
+    assert "4.13 kB" in text and "12.00 kB" in text
+
+
+LR_SCHEDULES = {
+    "lr": LRSchedule("exponential", lr=1e-2, warmup_steps=5, decay_factor=0.5, decay_every=8),
+    "steps": LRSchedule("cosine", lr=1e-2, warmup_steps=5, total_steps=60, min_lr=1e-4),
+    "fixed": LRSchedule("constant", lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("policy", ["lr", "steps", "fixed"])
+def test_plan_decisions_match_zero_one_adam(policy):
+    """A single-process ZeroOneAdam drives its own ZeroOneSchedule; with the lr set from the schedule
+    each step, its per-step record must be what zero_one_step_kinds predicts."""
+    knobs = dict(
+        var_freeze_step=12,
+        var_update_scaler=2,
+        local_steps=policy,
+        local_step_clip=4,
+        local_step_scaler=7,
+        local_step_interval=3,
+    )
+    lr = LR_SCHEDULES[policy]
+    steps = 60
+    param = torch.nn.Parameter(torch.zeros(10))
+    optimizer = ZeroOneAdam([param], lr=lr(0), **knobs)
+    generator = torch.Generator().manual_seed(0)
+    actual = []
+    for t in range(steps):
+        optimizer.param_groups[0]["lr"] = lr(t)
+        param.grad = torch.randn(10, generator=generator)
+        optimizer.step()
+        record = optimizer.last_step
+        actual.append((record.step, record.synced, record.variance_updated, record.interval))
+    predicted = []
+    kinds = set()
+    for decision, kind in zero_one_step_kinds(steps, lr, **knobs):
+        predicted.append((decision.step, decision.sync, decision.variance_update, decision.interval))
+        kinds.add(kind)
+        assert kind == (FULL_PRECISION if decision.variance_update else ONE_BIT if decision.sync else LOCAL)
+    assert actual == predicted
+    assert kinds == {FULL_PRECISION, ONE_BIT, LOCAL}  # the run exercises every kind of step
+    summary = plan(steps, lr, 2, 10, bandwidth_bytes_per_s=1e9, latency_s=0.0, **knobs)["zero_one_adam"]
+    assert summary["syncs"] == sum(synced for _, synced, _, _ in actual)
+    assert summary["variance_updates"] == sum(updated for _, _, updated, _ in actual)
+    assert summary["max_interval"] == max(interval for *_, interval in actual)

@@ -1,0 +1,311 @@
+"""Optimizer step cost and optimizer memory: torch AdamW against our three optimizers, same run.
+
+Everything runs in this one process on the CPU with world size 1 (torch.distributed is not
+initialised), so no step communicates: what is timed is the optimizer's own arithmetic and memory
+traffic, the part that 0/1 Adam's local steps must keep close to Adam's for the saved
+communication to turn into faster training.
+
+The model is a set of parameter shapes like a small GPT (see `model_shapes`): token and position
+embeddings, `layers` blocks of (layer norm, qkv, attention projection, layer norm, 4x MLP) with
+biases, and a final layer norm, about `params_millions` million fp32 parameters in all. The
+gradients are made once (random, fixed seed) and every optimizer steps on the same ones, so only
+the optimizer step is timed. All optimizers use the same lr, betas, eps and decoupled weight decay
+(0.01, so the weight-decay pass is paid by all of them).
+
+1. Step time, the median of `repeats` timed steps after warm-up; the optimizers take turns, step
+   by step, so that drift of the machine affects them alike. Each is reported as seconds per step
+   and as a ratio to torch.optim.AdamW(foreach=True) of the same run. The rows:
+   - AdamW (foreach): the baseline. AdamW (fused): torch's fused CPU kernel, for reference.
+   - ZeroOneAdam, local step: var_freeze_step=1, local_steps="fixed", local_step_interval=10**9.
+     Step 0 is the one variance step (it also freezes v into its denominator); every later step
+     is a local step that communicates nothing. (With var_freeze_step=0 no variance step happens
+     at all: v stays zero, its denominator is +inf and no parameter moves, so 1 is used.)
+   - ZeroOneAdam, sync step: the same with local_step_interval=1, so every step after step 0
+     syncs. At world size 1 the 1-bit exchange is a copy of the accumulator: this row is the
+     optimizer-side work of a sync (momentum rebuild, return to the anchor), no compression.
+   - OneBitAdam after its freeze: freeze_step=1 (for the same reason as above); at world size 1
+     the 1-bit allreduce returns its input, so this is the Adam update with a frozen denominator.
+   - DataParallelAdam: flat gradient copy, Adam update (its allreduce is a no-op here).
+   Target: a ZeroOneAdam local step at most 1.3x AdamW(foreach).
+
+2. Persistent memory, counted from the tensors each optimizer holds after its steps, in bytes per
+   parameter and in fp32 copies of the model (4 bytes per parameter each):
+   - AdamW: every tensor in `opt.state` (exp_avg, exp_avg_sq and the step counters).
+   - ours, "state": the flat buffers in `opt._buffers` and, for each OneBitAllReduce in
+     `opt._comms`, its worker buffer `_worker` (the accumulator / worker error) and server
+     buffer `_server` (the server error of this rank's chunk).
+   - ours, "comm workspace": the same OneBitAllReduce's byte buffers `_send`, `_recv`,
+     `_gathered`, `_mine` and its fp32 scratch block `_work`. (`_send` and `_mine` also keep the
+     signs last sent, from which the deferred residual is applied on the next call.)
+   Transient tensors made during a step (a denominator, a flat gradient) are not counted.
+   At world size 1 the OneBitAllReduce is inactive (no padding, no server chunk, no byte
+   buffers), so the buffers are also computed from the class's sizing rules for n = 2, 8 and 64
+   (`onebit_allreduce_bytes`), where 0/1 Adam should hold about 4 + 1/n copies as DeepSpeed's
+   does (m, v, the accumulator, worker error and server error; ours keeps the accumulator inside
+   the worker error buffer and holds the anchor x instead). The sizing rules are checked against
+   the measured buffers at n = 1.
+"""
+
+import os
+import statistics
+import time
+
+import torch
+from rich.table import Table
+
+from zoa_train.comm.packing import BLOCK
+from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam
+
+LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
+WARMUP_STEPS = 3  # step 0 of ours is a variance / warm-up step; the next two warm the caches
+TARGET_LOCAL_VS_ADAMW = 1.3
+ANALYTIC_WORLD_SIZES = (1, 2, 8, 64)
+STATE_KEYS = ("_worker", "_server")  # OneBitAllReduce buffers that carry error across calls
+WORKSPACE_KEYS = ("_send", "_recv", "_gathered", "_mine", "_work")
+
+
+def model_shapes(params_millions: float) -> tuple[list[tuple[str, tuple[int, ...]]], dict]:
+    """Parameter shapes of a small GPT-like model of about `params_millions` million parameters.
+
+    Width d = 512 (halved while one block would exceed half the target), context 1024, blocks
+    filling about 3/4 of the target, and the token embedding (tied with the output layer) sized
+    so that the total lands on the target. Returns the (name, shape) list and a summary.
+    """
+    target = int(params_millions * 1e6)
+    d, context = 512, 1024
+    while d > 64 and 12 * d * d > target / 2:
+        d //= 2
+    block = [
+        ("ln1.weight", (d,)),
+        ("ln1.bias", (d,)),
+        ("attn.qkv.weight", (3 * d, d)),
+        ("attn.qkv.bias", (3 * d,)),
+        ("attn.proj.weight", (d, d)),
+        ("attn.proj.bias", (d,)),
+        ("ln2.weight", (d,)),
+        ("ln2.bias", (d,)),
+        ("mlp.fc.weight", (4 * d, d)),
+        ("mlp.fc.bias", (4 * d,)),
+        ("mlp.proj.weight", (d, 4 * d)),
+        ("mlp.proj.bias", (d,)),
+    ]
+    per_block = sum(_numel(shape) for _, shape in block)
+    layers = max(1, round(0.75 * target / per_block))
+    vocab = max(256, (target - layers * per_block - context * d - 2 * d) // d)
+    shapes = [("tok_emb", (vocab, d)), ("pos_emb", (context, d))]
+    shapes += [(f"blocks.{i}.{name}", shape) for i in range(layers) for name, shape in block]
+    shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+    summary = {"d_model": d, "layers": layers, "vocab": vocab, "context": context, "tensors": len(shapes)}
+    return shapes, summary
+
+
+def onebit_allreduce_bytes(numel: int, world_size: int) -> dict[str, int]:
+    """Bytes of each buffer a OneBitAllReduce of `numel` elements allocates on `world_size` ranks.
+
+    The sizing rules of zoa_train.comm.onebit: padded = ceil(N/(8n))*8n, worker = padded fp32,
+    server = padded/n fp32, segment = padded/(8n) + 4 bytes (packed signs and an fp32 scale),
+    send/recv/gathered = n segments each, mine = one segment, work = min(BLOCK, padded) fp32.
+    At n = 1 it is inactive: the worker buffer has N elements and the others are empty.
+    """
+    n = world_size
+    if n == 1 or numel == 0:
+        return {"_worker": 4 * numel, "_server": 0, "_send": 0, "_recv": 0, "_gathered": 0, "_mine": 0, "_work": 0}
+    padded = -(-numel // (8 * n)) * (8 * n)
+    segment = padded // (8 * n) + 4
+    return {
+        "_worker": 4 * padded,
+        "_server": 4 * (padded // n),
+        "_send": n * segment,
+        "_recv": n * segment,
+        "_gathered": n * segment,
+        "_mine": segment,
+        "_work": 4 * min(max(8, BLOCK // 8 * 8), padded),
+    }
+
+
+def run_optimizer_bench(params_millions: float = 25.0, repeats: int = 10, threads: int | None = None) -> dict:
+    """Time one step of each optimizer and count its memory; returns a dict (see the module doc)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be at least 1, got {repeats}")
+    threads = threads or os.cpu_count() or 1
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _run(params_millions, repeats, threads)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run(params_millions: float, repeats: int, threads: int) -> dict:
+    shapes, model = model_shapes(params_millions)
+    g = torch.Generator().manual_seed(0)
+    initial = [torch.randn(shape, generator=g) * 0.02 for _, shape in shapes]
+    grads = [torch.randn(shape, generator=g) * 1e-3 for _, shape in shapes]
+    numel = sum(t.numel() for t in initial)
+
+    def fresh_params() -> list[torch.nn.Parameter]:
+        params = [torch.nn.Parameter(t.clone()) for t in initial]
+        for p, grad in zip(params, grads):
+            p.grad = grad  # shared and read-only: no optimizer here writes to .grad
+        return params
+
+    hyper = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    ours = dict(hyper, bias_correction=True)  # AdamW always corrects bias; keep the arithmetic alike
+    makers = {
+        "AdamW (foreach)": lambda p: torch.optim.AdamW(p, foreach=True, **hyper),
+        "AdamW (fused)": lambda p: torch.optim.AdamW(p, fused=True, **hyper),
+        "ZeroOneAdam local step": lambda p: ZeroOneAdam(p, var_freeze_step=1, local_steps="fixed", local_step_interval=10**9, **ours),
+        "ZeroOneAdam sync step": lambda p: ZeroOneAdam(p, var_freeze_step=1, local_steps="fixed", local_step_interval=1, **ours),
+        "OneBitAdam (frozen)": lambda p: OneBitAdam(p, freeze_step=1, **ours),
+        "DataParallelAdam": lambda p: DataParallelAdam(p, **ours),
+    }
+    optimizers = {name: make(fresh_params()) for name, make in makers.items()}
+
+    for _ in range(WARMUP_STEPS):
+        for opt in optimizers.values():
+            opt.step()
+    _check_phases(optimizers)
+    times: dict[str, list[float]] = {name: [] for name in optimizers}
+    for _ in range(repeats):
+        for name, opt in optimizers.items():
+            start = time.perf_counter()
+            opt.step()
+            times[name].append(time.perf_counter() - start)
+    _check_phases(optimizers)
+
+    baseline = statistics.median(times["AdamW (foreach)"])
+    rows = []
+    for name, opt in optimizers.items():
+        step_s = statistics.median(times[name])
+        state, workspace = _held_bytes(opt)
+        rows.append(
+            {
+                "name": name,
+                "step_s": step_s,
+                "vs_adamw_foreach": step_s / baseline,
+                "state_bytes": state,
+                "workspace_bytes": workspace,
+                "state_bytes_per_param": state / numel,
+                "workspace_bytes_per_param": workspace / numel,
+                "state_copies": state / (4 * numel),
+                "workspace_copies": workspace / (4 * numel),
+            }
+        )
+    local = next(r for r in rows if r["name"] == "ZeroOneAdam local step")["vs_adamw_foreach"]
+
+    zero_one = optimizers["ZeroOneAdam local step"]
+    measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for comm in zero_one._comms for key in STATE_KEYS + WORKSPACE_KEYS}
+    analytic = [_analytic_row(numel, n) for n in ANALYTIC_WORLD_SIZES]
+    return {
+        "threads": threads,
+        "repeats": repeats,
+        "world_size": 1,
+        "numel": numel,
+        "model": model,
+        "shapes": [(name, list(shape)) for name, shape in shapes],
+        "rows": rows,
+        "target_local_vs_adamw": TARGET_LOCAL_VS_ADAMW,
+        "local_vs_adamw": local,
+        "target_met": local <= TARGET_LOCAL_VS_ADAMW,
+        "analytic": analytic,
+        "analytic_matches_measured_at_n1": measured == onebit_allreduce_bytes(numel, 1),
+    }
+
+
+def _check_phases(optimizers: dict) -> None:
+    """Make sure each of ours is in the phase its row claims (a wrong setting would time the wrong thing)."""
+    expected = {"ZeroOneAdam local step": False, "ZeroOneAdam sync step": True}
+    for name, synced in expected.items():
+        record = optimizers[name].last_step
+        if record.variance_updated or record.synced != synced:
+            raise RuntimeError(f"{name}: the last step was {record}, not the phase this row measures")
+    if optimizers["OneBitAdam (frozen)"].last_step.variance_updated:
+        raise RuntimeError("OneBitAdam is still in its warm-up")
+
+
+def _held_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
+    """(persistent state bytes, communication workspace bytes) of the tensors `opt` holds."""
+
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
+    if not hasattr(opt, "_buffers"):  # a torch optimizer: everything is in opt.state
+        return sum(size(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t)), 0
+    state = sum(size(t) for buffers in opt._buffers for t in buffers.values())
+    workspace = 0
+    for comm in opt._comms:
+        if comm is not None:
+            state += sum(size(getattr(comm, key)) for key in STATE_KEYS)
+            workspace += sum(size(getattr(comm, key)) for key in WORKSPACE_KEYS)
+    return state, workspace
+
+
+def _analytic_row(numel: int, n: int) -> dict:
+    """ZeroOneAdam's buffers at world size n: three flat buffers (m, denominator, anchor) + the 1-bit allreduce's."""
+    comm = onebit_allreduce_bytes(numel, n)
+    state = 3 * 4 * numel + sum(comm[key] for key in STATE_KEYS)
+    workspace = sum(comm[key] for key in WORKSPACE_KEYS)
+    return {
+        "world_size": n,
+        "state_bytes": state,
+        "workspace_bytes": workspace,
+        "state_copies": state / (4 * numel),
+        "workspace_copies": workspace / (4 * numel),
+        "deepspeed_copies": 4 + 1 / n,
+        "buffers": comm,
+    }
+
+
+def format_optimizer_bench(result: dict) -> Table:
+    """Two tables in one grid: the measured rows, then ZeroOneAdam's buffers at other world sizes."""
+    model = result["model"]
+    measured = Table(
+        title=(
+            f"Optimizer step on CPU, {result['numel'] / 1e6:.2f}M params (GPT-like: d={model['d_model']}, "
+            f"{model['layers']} blocks, vocab {model['vocab']}, {model['tensors']} tensors), "
+            f"{result['threads']} threads, median of {result['repeats']}, world size 1"
+        )
+    )
+    for name in ("optimizer", "s/step", "vs AdamW foreach", "state B/param", "state copies", "comm B/param", "comm copies"):
+        measured.add_column(name, justify="left" if name == "optimizer" else "right")
+    for r in result["rows"]:
+        measured.add_row(
+            r["name"],
+            f"{r['step_s']:.4f}",
+            f"{r['vs_adamw_foreach']:.2f}x",
+            f"{r['state_bytes_per_param']:.2f}",
+            f"{r['state_copies']:.3f}",
+            f"{r['workspace_bytes_per_param']:.3f}",
+            f"{r['workspace_copies']:.4f}",
+        )
+    verdict = "met" if result["target_met"] else "NOT met"
+    measured.caption = (
+        f"target: ZeroOneAdam local step <= {result['target_local_vs_adamw']}x AdamW(foreach): "
+        f"{result['local_vs_adamw']:.2f}x, {verdict}"
+    )
+
+    analytic = Table(title="ZeroOneAdam buffers by world size n, from OneBitAllReduce's sizing rules")
+    for name in ("n", "state copies", "comm copies", "total copies", "DeepSpeed 4 + 1/n"):
+        analytic.add_column(name, justify="right")
+    for r in result["analytic"]:
+        analytic.add_row(
+            str(r["world_size"]),
+            f"{r['state_copies']:.4f}",
+            f"{r['workspace_copies']:.4f}",
+            f"{r['state_copies'] + r['workspace_copies']:.4f}",
+            f"{r['deepspeed_copies']:.4f}",
+        )
+    check = "match" if result["analytic_matches_measured_at_n1"] else "DO NOT match"
+    analytic.caption = f"at n = 1 the sizing rules {check} the measured buffers"
+
+    grid = Table.grid(padding=(1, 0))
+    grid.add_row(measured)
+    grid.add_row(analytic)
+    return grid
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count

@@ -1,0 +1,253 @@
+"""Recipes: a YAML file validated against typed dataclasses, with `--set section.key=value` overrides.
+
+Unknown keys are refused with the closest valid key suggested; values are checked against the
+field types and a few cross-field rules; every problem is a UserError of one sentence naming the
+file and key. The resolved recipe is what the trainer uses and what it writes to the run directory.
+"""
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from zoa_train.errors import UserError
+
+
+@dataclass
+class ModelConfig:
+    kind: Literal["gpt2", "bert"] = "gpt2"
+    size: str = "117M"  # a preset (gpt2: 117M/small, medium, large, xl; bert: base, large) or "custom"
+    n_layer: int | None = None  # overrides of the preset
+    n_embd: int | None = None
+    n_head: int | None = None
+    dropout: float = 0.1
+    init_from: str | None = None  # a local Hugging Face model directory, or a hub name when online
+
+
+@dataclass
+class DataConfig:
+    source: str = "bundled"  # "bundled", "files", or a hub dataset name (e.g. wikitext)
+    config: str | None = None  # hub dataset config (e.g. wikitext-103-raw-v1)
+    train_files: list[str] = field(default_factory=list)
+    validation_files: list[str] = field(default_factory=list)
+    text_field: str = "text"
+    tokenizer: str | None = None  # a pretrained tokenizer (hub name or directory); none: train one on the corpus
+    vocab_size: int = 8192  # of a trained tokenizer
+    seq_len: int = 128
+    cache_dir: str = "~/.cache/zoa-train"
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adam", "onebit_adam", "zero_one_adam"] = "zero_one_adam"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    bias_correction: bool = True
+    allreduce_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # full-precision collectives
+    freeze_step: int = 1000  # 1-bit Adam: full-precision warm-up steps
+    var_freeze_step: int = 1000  # 0/1 Adam: last step that may update the variance
+    var_update_scaler: int = 16  # 0/1 Adam: kappa, variance-update gaps double every kappa updates
+    local_steps: Literal["lr", "steps", "fixed"] = "lr"
+    local_step_clip: int = 16  # H: the largest sync interval
+    local_step_scaler: int = 32678  # "steps" policy: steps per doubling of the interval
+    local_step_interval: int = 1  # "fixed" policy
+
+
+@dataclass
+class ScheduleConfig:
+    name: Literal["constant", "exponential", "cosine"] = "constant"
+    warmup_steps: int = 0
+    decay_factor: float = 0.99  # exponential
+    decay_every: int = 520  # exponential
+    min_lr: float = 0.0  # cosine
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    global_batch_size: int = 32  # sequences per optimizer step over all ranks
+    micro_batch_size: int = 16  # sequences per forward/backward on one rank
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    grad_clip: float = 0.0  # max norm of this rank's gradient (0: off)
+    seed: int = 0
+    nproc: int = 2  # local ranks when not started by torchrun or srun
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    log_every: int = 10
+    val_every: int = 100  # 0: only at the end
+    val_batches: int = 8
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+
+
+@dataclass
+class LoggingConfig:
+    wandb: Literal["offline", "online", "disabled"] = "offline"
+    tensorboard: bool = True
+    project: str = "zoa-train"
+
+
+@dataclass
+class Recipe:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def to_dict(self) -> dict:
+        return _plain(dataclasses.asdict(self))
+
+
+def _plain(value):
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
+    """Read, override and validate a recipe file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"recipe file {path} does not exist.")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise UserError(f"{path} is not valid YAML{where}.") from None
+    if not isinstance(data, dict):
+        raise UserError(f"{path} must hold a mapping of sections (model, data, optimizer, ...).")
+    for override in overrides:
+        _apply_override(data, override, path)
+    recipe = _build(Recipe, data, str(path), "")
+    _check(recipe, str(path))
+    return recipe
+
+
+def recipe_from_dict(data: dict, origin: str = "recipe") -> Recipe:
+    recipe = _build(Recipe, data, origin, "")
+    _check(recipe, origin)
+    return recipe
+
+
+def _apply_override(data: dict, override: str, path: Path) -> None:
+    key, sep, text = override.partition("=")
+    if not sep or not key.strip():
+        raise UserError(f"--set {override!r} must look like section.key=value.")
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise UserError(f"--set {override!r}: {part} is not a section.")
+    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+
+
+def _build(cls, data, origin: str, prefix: str):
+    if not isinstance(data, dict):
+        raise UserError(f"{origin}: {prefix.rstrip('.') or 'the recipe'} must be a mapping, not {type(data).__name__}.")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    values = {}
+    for key, value in data.items():
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys are {', '.join(names)}."
+            raise UserError(f"{origin}: unknown key {prefix}{key}{hint}")
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            values[key] = _build(kind, value if value is not None else {}, origin, f"{prefix}{key}.")
+        else:
+            values[key] = _coerce(value, kind, origin, f"{prefix}{key}")
+    return cls(**values)
+
+
+def _coerce(value, kind, origin: str, key: str):
+    """Check `value` against the annotation `kind`; ints are accepted for floats, lists for tuples."""
+    origin_type = typing.get_origin(kind)
+    args = typing.get_args(kind)
+    if origin_type in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _coerce(value, inner[0], origin, key)
+    if origin_type is Literal:
+        if value not in args:
+            raise UserError(f"{origin}: {key} must be one of {', '.join(map(str, args))}, not {value!r}.")
+        return value
+    if origin_type in (list, tuple):
+        if isinstance(value, str) and origin_type is list:
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise UserError(f"{origin}: {key} must be a list, not {value!r}.")
+        if origin_type is tuple and len(value) != len(args):
+            raise UserError(f"{origin}: {key} must have {len(args)} values, not {len(value)}.")
+        item_types = args if origin_type is tuple else args * len(value)
+        items = [_coerce(v, t, origin, key) for v, t in zip(value, item_types)]
+        return tuple(items) if origin_type is tuple else items
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str):
+        try:  # YAML 1.1 reads 1e-3 (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise UserError(f"{origin}: {key} must be {kind.__name__}, not {value!r}.")
+    return value
+
+
+def _check(recipe: Recipe, origin: str) -> None:
+    """Rules that involve a value's meaning or several fields."""
+    t, o, d, m = recipe.train, recipe.optimizer, recipe.data, recipe.model
+    positive = {
+        "train.steps": t.steps, "train.global_batch_size": t.global_batch_size, "train.micro_batch_size": t.micro_batch_size,
+        "train.nproc": t.nproc, "train.log_every": t.log_every, "train.val_batches": t.val_batches,
+        "train.keep_checkpoints": t.keep_checkpoints, "data.seq_len": d.seq_len, "data.vocab_size": d.vocab_size,
+        "optimizer.lr": o.lr, "optimizer.var_update_scaler": o.var_update_scaler, "optimizer.local_step_clip": o.local_step_clip,
+        "optimizer.local_step_scaler": o.local_step_scaler, "optimizer.local_step_interval": o.local_step_interval,
+        "schedule.decay_every": recipe.schedule.decay_every,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise UserError(f"{origin}: {key} must be positive, not {value}.")
+    non_negative = {
+        "train.grad_clip": t.grad_clip, "train.val_every": t.val_every, "train.checkpoint_every": t.checkpoint_every,
+        "optimizer.weight_decay": o.weight_decay, "optimizer.eps": o.eps, "optimizer.freeze_step": o.freeze_step,
+        "optimizer.var_freeze_step": o.var_freeze_step, "schedule.warmup_steps": recipe.schedule.warmup_steps,
+        "model.dropout": m.dropout,
+    }
+    for key, value in non_negative.items():
+        if value < 0:
+            raise UserError(f"{origin}: {key} must be >= 0, not {value}.")
+    if not all(0 <= b < 1 for b in o.betas):
+        raise UserError(f"{origin}: optimizer.betas must both be in [0, 1), not {list(o.betas)}.")
+    if not 0 < recipe.schedule.decay_factor <= 1:
+        raise UserError(f"{origin}: schedule.decay_factor must be in (0, 1], not {recipe.schedule.decay_factor}.")
+    if d.source == "files" and not d.train_files:
+        raise UserError(f"{origin}: data.train_files must name at least one file when data.source is files.")
+    for name in d.train_files + d.validation_files:
+        if not any(ch in name for ch in "*?[") and not Path(name).expanduser().exists():
+            raise UserError(f"{origin}: data file {name} does not exist.")
+
+
+def check_batch_layout(recipe: Recipe, world_size: int, origin: str = "recipe") -> int:
+    """Gradient-accumulation steps for this world size; refuses a global batch that does not divide."""
+    t = recipe.train
+    per_step = t.micro_batch_size * world_size
+    if t.global_batch_size % per_step:
+        raise UserError(
+            f"{origin}: train.global_batch_size {t.global_batch_size} is not divisible by "
+            f"micro_batch_size x world size = {t.micro_batch_size} x {world_size}."
+        )
+    return t.global_batch_size // per_step

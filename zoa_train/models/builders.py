@@ -1,0 +1,80 @@
+"""GPT-2 (causal LM) and BERT (masked LM) from size presets, or from a local/hub checkpoint.
+
+Presets follow the published shapes: GPT-2 117M/medium/large/xl (12/24/36/48 layers of
+768/1024/1280/1600 with 12/16/20/25 heads, context 1024) and BERT base/large (12/24 layers of
+768/1024 with 12/16 heads, feed-forward 4x). `n_layer`, `n_embd`, `n_head` override a preset;
+size "custom" needs all three.
+"""
+
+import torch
+
+from zoa_train.config import ModelConfig
+from zoa_train.errors import UserError
+
+MODEL_PRESETS = {
+    "gpt2": {
+        "117M": (12, 768, 12),
+        "small": (12, 768, 12),
+        "medium": (24, 1024, 16),
+        "large": (36, 1280, 20),
+        "xl": (48, 1600, 25),
+    },
+    "bert": {"base": (12, 768, 12), "large": (24, 1024, 16)},
+}
+
+
+def _shape(cfg: ModelConfig) -> tuple[int, int, int]:
+    presets = MODEL_PRESETS[cfg.kind]
+    if cfg.size == "custom":
+        if None in (cfg.n_layer, cfg.n_embd, cfg.n_head):
+            raise UserError("model.size custom needs model.n_layer, model.n_embd and model.n_head.")
+        base = (0, 0, 0)
+    elif cfg.size in presets:
+        base = presets[cfg.size]
+    else:
+        raise UserError(f"model.size {cfg.size!r} is not a {cfg.kind} preset; choose one of {', '.join(presets)} or custom.")
+    n_layer, n_embd, n_head = (v if v is not None else b for v, b in zip((cfg.n_layer, cfg.n_embd, cfg.n_head), base))
+    if n_embd % n_head:
+        raise UserError(f"model.n_embd {n_embd} must be divisible by model.n_head {n_head}.")
+    return n_layer, n_embd, n_head
+
+
+def build_model(
+    cfg: ModelConfig, vocab_size: int, seq_len: int, pad_token_id: int | None = None, eos_token_id: int | None = None
+) -> torch.nn.Module:
+    """A transformers model for `cfg`, sized for `vocab_size` and at least `seq_len` positions."""
+    import transformers
+
+    if cfg.init_from:
+        auto = transformers.AutoModelForCausalLM if cfg.kind == "gpt2" else transformers.AutoModelForMaskedLM
+        try:
+            return auto.from_pretrained(cfg.init_from)
+        except OSError as e:
+            raise UserError(f"model.init_from {cfg.init_from!r} could not be loaded (a local model directory, or a hub name when online): {e}") from None
+    n_layer, n_embd, n_head = _shape(cfg)
+    if cfg.kind == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=vocab_size,
+            n_positions=max(1024, seq_len),
+            n_layer=n_layer,
+            n_embd=n_embd,
+            n_head=n_head,
+            resid_pdrop=cfg.dropout,
+            embd_pdrop=cfg.dropout,
+            attn_pdrop=cfg.dropout,
+            bos_token_id=eos_token_id,
+            eos_token_id=eos_token_id,
+        )
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=n_embd,
+        num_hidden_layers=n_layer,
+        num_attention_heads=n_head,
+        intermediate_size=4 * n_embd,
+        max_position_embeddings=max(512, seq_len),
+        hidden_dropout_prob=cfg.dropout,
+        attention_probs_dropout_prob=cfg.dropout,
+        pad_token_id=pad_token_id or 0,
+    )
+    return transformers.BertForMaskedLM(config)

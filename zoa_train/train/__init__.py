@@ -1,0 +1,1 @@
+"""The trainer: distributed set-up, the training loop, checkpoints and logging."""

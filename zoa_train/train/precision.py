@@ -1,0 +1,57 @@
+"""Mixed precision: autocast settings and a dynamic loss scaler whose skip decision all ranks share."""
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def autocast(precision: str, device: torch.device):
+    dtype = DTYPES[precision]
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+class LossScaler:
+    """Dynamic loss scaling for fp16. The overflow flag is max-reduced over the ranks, so when any
+    rank overflows every rank skips the step together and no optimizer state is touched (with the
+    1-bit optimizers each rank holds its own, unaveraged gradients)."""
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.good_steps = 0
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scale if self.enabled else loss
+
+    def unscale_and_check(self, params: list[torch.Tensor]) -> bool:
+        """Unscale the gradients in place; True when some rank saw inf/nan (the step must be skipped)."""
+        if not self.enabled:
+            return False
+        grads = [p.grad for p in params if p.grad is not None]
+        found = torch.zeros(1, device=grads[0].device if grads else "cpu")
+        if grads:
+            inv = torch.full((1,), 1.0 / self.scale, device=found.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        if dist.is_initialized():
+            dist.all_reduce(found, op=dist.ReduceOp.MAX)
+        overflow = bool(found.item())
+        if overflow:
+            self.scale /= 2
+            self.good_steps = 0
+        else:
+            self.good_steps += 1
+            if self.good_steps % self.growth_interval == 0:
+                self.scale *= 2
+        return overflow
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "good_steps": self.good_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.good_steps = state["scale"], state["good_steps"]
