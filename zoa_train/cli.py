@@ -28,7 +28,7 @@ console = Console()
 
 def fail(message: str) -> None:
     """Report bad input in one sentence and exit with code 2."""
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False)
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 
@@ -195,9 +195,10 @@ def bench_comm(
 def run() -> None:
     """Console entry point: user errors raised deep inside become one sentence and exit code 2."""
     try:
-        app(standalone_mode=False)
+        code = app(standalone_mode=False)  # click returns the code of a typer.Exit in this mode
+        sys.exit(code if isinstance(code, int) else 0)
     except UserError as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False)
+        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except click.exceptions.Exit as e:
         sys.exit(e.exit_code)

@@ -44,6 +44,12 @@ the optimizer step is timed. All optimizers use the same lr, betas, eps and deco
    does (m, v, the accumulator, worker error and server error; ours keeps the accumulator inside
    the worker error buffer and holds the anchor x instead). The sizing rules are checked against
    the measured buffers at n = 1.
+
+3. `profile_zero_one_local_step` (separate, so as not to disturb the timings) lists the ops that
+   take a ZeroOneAdam local step's time, from torch.profiler.
+
+Timings are wall clock: on a machine shared with other jobs, run with threads=1 as well, since a
+multi-threaded op waits for its slowest thread and a busy machine stretches every such op.
 """
 
 import os
@@ -138,16 +144,8 @@ def run_optimizer_bench(params_millions: float = 25.0, repeats: int = 10, thread
 
 def _run(params_millions: float, repeats: int, threads: int) -> dict:
     shapes, model = model_shapes(params_millions)
-    g = torch.Generator().manual_seed(0)
-    initial = [torch.randn(shape, generator=g) * 0.02 for _, shape in shapes]
-    grads = [torch.randn(shape, generator=g) * 1e-3 for _, shape in shapes]
-    numel = sum(t.numel() for t in initial)
-
-    def fresh_params() -> list[torch.nn.Parameter]:
-        params = [torch.nn.Parameter(t.clone()) for t in initial]
-        for p, grad in zip(params, grads):
-            p.grad = grad  # shared and read-only: no optimizer here writes to .grad
-        return params
+    fresh_params = _param_maker(shapes)
+    numel = sum(_numel(shape) for _, shape in shapes)
 
     hyper = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     ours = dict(hyper, bias_correction=True)  # AdamW always corrects bias; keep the arithmetic alike
@@ -212,6 +210,46 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
     }
 
 
+def _param_maker(shapes: list[tuple[str, tuple[int, ...]]]):
+    """A function returning fresh parameters (same values each call) whose .grad is already set."""
+    g = torch.Generator().manual_seed(0)
+    initial = [torch.randn(shape, generator=g) * 0.02 for _, shape in shapes]
+    grads = [torch.randn(shape, generator=g) * 1e-3 for _, shape in shapes]
+
+    def fresh_params() -> list[torch.nn.Parameter]:
+        params = [torch.nn.Parameter(t.clone()) for t in initial]
+        for p, grad in zip(params, grads):
+            p.grad = grad  # shared and read-only: no optimizer here writes to .grad
+        return params
+
+    return fresh_params
+
+
+def profile_zero_one_local_step(params_millions: float = 25.0, steps: int = 5, threads: int | None = None, top: int = 10) -> list[dict]:
+    """torch.profiler over `steps` ZeroOneAdam local steps (set up as in the bench): the `top` ops
+    by self CPU time, as {"op", "ms_per_step", "calls_per_step"}. Not part of run_optimizer_bench,
+    whose timings it would disturb; it explains where a local step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        shapes, _ = model_shapes(params_millions)
+        opt = ZeroOneAdam(
+            _param_maker(shapes)(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, bias_correction=True,
+            var_freeze_step=1, local_steps="fixed", local_step_interval=10**9,
+        )
+        for _ in range(WARMUP_STEPS):
+            opt.step()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                opt.step()
+    finally:
+        torch.set_num_threads(previous_threads)
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"op": e.key, "ms_per_step": e.self_cpu_time_total / 1e3 / steps, "calls_per_step": e.count / steps} for e in ops]
+
+
 def _check_phases(optimizers: dict) -> None:
     """Make sure each of ours is in the phase its row claims (a wrong setting would time the wrong thing)."""
     expected = {"ZeroOneAdam local step": False, "ZeroOneAdam sync step": True}
@@ -241,10 +279,12 @@ def _held_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
 
 
 def _analytic_row(numel: int, n: int) -> dict:
-    """ZeroOneAdam's buffers at world size n: three flat buffers (m, denominator, anchor) + the 1-bit allreduce's."""
+    """Buffers at world size n: ZeroOneAdam has three flat buffers (m, denominator, anchor) and
+    OneBitAdam two (m, denominator), each plus one OneBitAllReduce of the whole model."""
     comm = onebit_allreduce_bytes(numel, n)
-    state = 3 * 4 * numel + sum(comm[key] for key in STATE_KEYS)
+    onebit_state = sum(comm[key] for key in STATE_KEYS)
     workspace = sum(comm[key] for key in WORKSPACE_KEYS)
+    state = 3 * 4 * numel + onebit_state
     return {
         "world_size": n,
         "state_bytes": state,
@@ -252,6 +292,7 @@ def _analytic_row(numel: int, n: int) -> dict:
         "state_copies": state / (4 * numel),
         "workspace_copies": workspace / (4 * numel),
         "deepspeed_copies": 4 + 1 / n,
+        "onebit_adam_state_copies": (2 * 4 * numel + onebit_state) / (4 * numel),
         "buffers": comm,
     }
 
@@ -284,8 +325,8 @@ def format_optimizer_bench(result: dict) -> Table:
         f"{result['local_vs_adamw']:.2f}x, {verdict}"
     )
 
-    analytic = Table(title="ZeroOneAdam buffers by world size n, from OneBitAllReduce's sizing rules")
-    for name in ("n", "state copies", "comm copies", "total copies", "DeepSpeed 4 + 1/n"):
+    analytic = Table(title="Buffers by world size n in fp32 copies of the model, from OneBitAllReduce's sizing rules")
+    for name in ("n", "0/1 Adam state", "comm workspace", "0/1 Adam total", "DeepSpeed 0/1 Adam 4 + 1/n", "1-bit Adam state"):
         analytic.add_column(name, justify="right")
     for r in result["analytic"]:
         analytic.add_row(
@@ -294,6 +335,7 @@ def format_optimizer_bench(result: dict) -> Table:
             f"{r['workspace_copies']:.4f}",
             f"{r['state_copies'] + r['workspace_copies']:.4f}",
             f"{r['deepspeed_copies']:.4f}",
+            f"{r['onebit_adam_state_copies']:.4f}",
         )
     check = "match" if result["analytic_matches_measured_at_n1"] else "DO NOT match"
     analytic.caption = f"at n = 1 the sizing rules {check} the measured buffers"

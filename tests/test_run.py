@@ -1,0 +1,130 @@
+"""`zoa-train run` end to end: real processes, real recipes, real files (2 Gloo ranks on CPU)."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+METRIC_FIELDS = {"step", "loss", "lr", "tokens_per_s", "bits_per_param", "rounds", "bytes_sent", "variance_updates", "wall_time"}
+
+
+def zoa(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zoa_train.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zoa-cache")
+
+
+def short(cache_dir: Path, steps: int, *extra: str) -> list[str]:
+    sets = [
+        f"train.steps={steps}", "train.log_every=1", "train.val_batches=1", "train.val_every=0",
+        "logging.wandb=disabled", f"data.cache_dir={cache_dir}", *extra,
+    ]
+    return [arg for s in sets for arg in ("--set", s)]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_gpt2_tiny_runs_end_to_end_and_resumes_exactly(tmp_path, cache_dir):
+    # 0/1 Adam with local steps from step 2 on, so the checkpoint at step 4 lies inside a local period.
+    knobs = short(cache_dir, 8, "train.checkpoint_every=4", "optimizer.var_freeze_step=2",
+                  "optimizer.local_steps=fixed", "optimizer.local_step_interval=3")
+    first = tmp_path / "first"
+    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), *knobs)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = metrics(first)
+    assert [r["step"] for r in records] == list(range(1, 9))
+    assert all(METRIC_FIELDS <= set(r) for r in records)
+    assert "val_loss" in records[-1]
+    assert records[-1]["rounds"] < 8  # local steps happened
+    assert yaml.safe_load((first / "recipe.yaml").read_text())["train"]["steps"] == 8
+    assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
+    assert (first / "tensorboard").is_dir() and (first / "tokenizer" / "tokenizer.json").is_file()
+
+    second = tmp_path / "second"
+    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(second), "--resume", str(first / "checkpoints" / "step_00000004"), *knobs)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = metrics(second)
+    assert [r["step"] for r in again] == [5, 6, 7, 8]
+    assert [r["loss"] for r in again] == [r["loss"] for r in records[4:]]
+    assert again[-1]["rounds"] == records[-1]["rounds"] and again[-1]["bits_per_param"] == records[-1]["bits_per_param"]
+    a = torch.load(first / "checkpoints" / "step_00000008" / "model.pt")
+    b = torch.load(second / "checkpoints" / "step_00000008" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # --resume auto continues the latest checkpoint of the run directory: here, nothing is left to do.
+    auto = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), "--resume", "auto", *knobs)
+    assert auto.returncode == 0, auto.stderr[-3000:]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "onebit_adam"])
+def test_bert_tiny_runs_with_the_baselines(tmp_path, cache_dir, optimizer):
+    run_dir = tmp_path / optimizer
+    done = zoa("run", "recipes/bert_tiny.yaml", "--out", str(run_dir), *short(cache_dir, 4, f"optimizer.name={optimizer}", "optimizer.freeze_step=2"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = metrics(run_dir)
+    assert len(records) == 4 and all(METRIC_FIELDS <= set(r) for r in records)
+    expected_bits = 16.0 if optimizer == "adam" else (2 * 16 + 2 * 1) / 4
+    assert records[-1]["bits_per_param"] == pytest.approx(expected_bits)
+    assert records[-1]["rounds"] == 4
+
+
+def write_recipe(tmp_path: Path, edit) -> Path:
+    recipe = yaml.safe_load((ROOT / "recipes" / "gpt2_tiny.yaml").read_text())
+    edit(recipe)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+BAD_RECIPES = {
+    "unknown key": (lambda r: r["optimizer"].update(lrr=1.0), "unknown key optimizer.lrr; did you mean optimizer.lr?"),
+    "wrong type": (lambda r: r["train"].update(steps="many"), "train.steps must be int"),
+    "impossible value": (lambda r: r["optimizer"].update(lr=-1.0), "optimizer.lr must be positive"),
+    "batch layout": (lambda r: r["train"].update(global_batch_size=30), "not divisible by micro_batch_size x world size"),
+    "missing file": (lambda r: r["data"].update(source="files", train_files=["/nonexistent/corpus.txt"]), "data file /nonexistent/corpus.txt does not exist"),
+    "bad choice": (lambda r: r["optimizer"].update(name="sgd"), "optimizer.name must be one of adam, onebit_adam, zero_one_adam"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_RECIPES))
+def test_bad_recipes_exit_2_with_one_sentence(tmp_path, case):
+    edit, message = BAD_RECIPES[case]
+    done = zoa("run", str(write_recipe(tmp_path, edit)), "--out", str(tmp_path / "run"))
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) <= 2
+    assert not (tmp_path / "run").exists()
+
+
+def test_run_directory_is_protected_and_world_size_is_checked(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("keep me")
+    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir))
+    assert done.returncode == 2 and "is not empty" in done.stderr
+    assert (run_dir / "notes.txt").read_text() == "keep me"
+
+    checkpoint = run_dir / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "COMPLETE").write_text("step 4\nworld_size 4\n")
+    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--resume", "auto")
+    assert done.returncode == 2 and "written by 4 ranks and this run has 2" in done.stderr
+    shutil.rmtree(run_dir)
+
+
+def test_missing_recipe_and_bad_override(tmp_path):
+    done = zoa("run", str(tmp_path / "nope.yaml"))
+    assert done.returncode == 2 and "does not exist" in done.stderr
+    done = zoa("plan", "recipes/gpt2_tiny.yaml", "--set", "noequals")
+    assert done.returncode == 2 and "section.key=value" in done.stderr
