@@ -128,3 +128,13 @@ def test_missing_recipe_and_bad_override(tmp_path):
     assert done.returncode == 2 and "does not exist" in done.stderr
     done = zoa("plan", "recipes/gpt2_tiny.yaml", "--set", "noequals")
     assert done.returncode == 2 and "section.key=value" in done.stderr
+
+
+def test_plan_reads_the_bert_large_recipe():
+    done = zoa("plan", "recipes/bert_large.yaml", "--world-size", "128", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert 0.47 < result["zero_one_adam"]["bits_per_param"] < 0.53
+    assert 74_000 <= result["zero_one_adam"]["rounds"] <= 75_000
+    assert 3.24 < result["onebit_adam"]["bits_per_param"] < 3.28
+    assert result["adam"]["bits_per_param"] == 16

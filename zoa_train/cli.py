@@ -118,12 +118,7 @@ def plan_command(
         world_size,
         params or count_parameters(config),
         freeze_step=o.freeze_step,
-        var_freeze_step=o.var_freeze_step,
-        var_update_scaler=o.var_update_scaler,
-        local_steps=o.local_steps,
-        local_step_clip=o.local_step_clip,
-        local_step_scaler=o.local_step_scaler,
-        local_step_interval=o.local_step_interval,
+        **o.schedule_knobs(),
         allreduce_bits=32 if o.allreduce_dtype == "fp32" else 16,
         bandwidth_bytes_per_s=parse_bandwidth(bandwidth),
         latency_s=parse_latency(latency),
@@ -190,6 +185,30 @@ def bench_comm(
             f"{r['pack_unpack_vs_add']:.2f}",
         )
     console.print(table)
+
+
+@bench_app.command("loader")
+def bench_loader(
+    recipe: Annotated[Path, typer.Argument(help="A YAML recipe whose data and model are measured.")],
+    set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
+    batches: Annotated[int, typer.Option(help="Micro-batches timed. [default: 20]")] = 20,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """The data loader alone vs forward+backward+AdamW on the same micro-batches, one process."""
+    from zoa_train.bench.loader import run_loader_bench
+    from zoa_train.config import load_recipe
+
+    if batches < 1:
+        fail("--batches must be at least 1.")
+    result = run_loader_bench(load_recipe(recipe, set_), batches)
+    if as_json:
+        print(json.dumps(result))
+        return
+    console.print(
+        f"loader {result['loader_s_per_batch'] * 1e3:.2f} ms/batch ({result['loader_tokens_per_s']:,.0f} tokens/s), "
+        f"training step {result['step_s_per_batch'] * 1e3:.1f} ms/batch ({result['step_tokens_per_s']:,.0f} tokens/s): "
+        f"the loader takes {100 * result['loader_share_of_step']:.2f}% of a step's time"
+    )
 
 
 def run() -> None:

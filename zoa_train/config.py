@@ -59,6 +59,11 @@ class OptimizerConfig:
     local_step_scaler: int = 32678  # "steps" policy: steps per doubling of the interval
     local_step_interval: int = 1  # "fixed" policy
 
+    def schedule_knobs(self) -> dict:
+        """The ZeroOneSchedule keyword arguments, shared by the trainer and `plan`."""
+        names = ("var_freeze_step", "var_update_scaler", "local_steps", "local_step_clip", "local_step_scaler", "local_step_interval")
+        return {name: getattr(self, name) for name in names}
+
 
 @dataclass
 class ScheduleConfig:

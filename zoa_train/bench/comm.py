@@ -29,16 +29,11 @@ def parse_size(text: str) -> int:
 
 
 def _median_time(fn, repeats: int, device: torch.device) -> float:
+    """Median over `repeats` calls, each started together on all ranks."""
     times = []
     for _ in range(repeats):
         dist.barrier()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append(_timed(fn, device))
     return statistics.median(times)
 
 

@@ -15,15 +15,15 @@ the optimizer step is timed. All optimizers use the same lr, betas, eps and deco
 1. Step time, the median of `repeats` timed steps after warm-up; the optimizers take turns, step
    by step, so that drift of the machine affects them alike. Each is reported as seconds per step
    and as a ratio to torch.optim.AdamW(foreach=True) of the same run. The rows:
-   - AdamW (foreach): the baseline. AdamW (fused): torch's fused CPU kernel, for reference.
-   - ZeroOneAdam, local step: var_freeze_step=1, local_steps="fixed", local_step_interval=10**9.
+   - AdamW foreach: the baseline. AdamW fused: torch's fused CPU kernel, for reference.
+   - ZeroOneAdam local: var_freeze_step=1, local_steps="fixed", local_step_interval=10**9.
      Step 0 is the one variance step (it also freezes v into its denominator); every later step
      is a local step that communicates nothing. (With var_freeze_step=0 no variance step happens
      at all: v stays zero, its denominator is +inf and no parameter moves, so 1 is used.)
-   - ZeroOneAdam, sync step: the same with local_step_interval=1, so every step after step 0
+   - ZeroOneAdam sync: the same with local_step_interval=1, so every step after step 0
      syncs. At world size 1 the 1-bit exchange is a copy of the accumulator: this row is the
      optimizer-side work of a sync (momentum rebuild, return to the anchor), no compression.
-   - OneBitAdam after its freeze: freeze_step=1 (for the same reason as above); at world size 1
+   - OneBitAdam frozen: freeze_step=1 (for the same reason as above); at world size 1
      the 1-bit allreduce returns its input, so this is the Adam update with a frozen denominator.
    - DataParallelAdam: flat gradient copy, Adam update (its allreduce is a no-op here).
    Target: a ZeroOneAdam local step at most 1.3x AdamW(foreach).
@@ -52,6 +52,7 @@ Timings are wall clock: on a machine shared with other jobs, run with threads=1 
 multi-threaded op waits for its slowest thread and a busy machine stretches every such op.
 """
 
+import math
 import os
 import statistics
 import time
@@ -95,7 +96,7 @@ def model_shapes(params_millions: float) -> tuple[list[tuple[str, tuple[int, ...
         ("mlp.proj.weight", (d, 4 * d)),
         ("mlp.proj.bias", (d,)),
     ]
-    per_block = sum(_numel(shape) for _, shape in block)
+    per_block = sum(math.prod(shape) for _, shape in block)
     layers = max(1, round(0.75 * target / per_block))
     vocab = max(256, (target - layers * per_block - context * d - 2 * d) // d)
     shapes = [("tok_emb", (vocab, d)), ("pos_emb", (context, d))]
@@ -145,16 +146,16 @@ def run_optimizer_bench(params_millions: float = 25.0, repeats: int = 10, thread
 def _run(params_millions: float, repeats: int, threads: int) -> dict:
     shapes, model = model_shapes(params_millions)
     fresh_params = _param_maker(shapes)
-    numel = sum(_numel(shape) for _, shape in shapes)
+    numel = sum(math.prod(shape) for _, shape in shapes)
 
     hyper = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
     ours = dict(hyper, bias_correction=True)  # AdamW always corrects bias; keep the arithmetic alike
     makers = {
-        "AdamW (foreach)": lambda p: torch.optim.AdamW(p, foreach=True, **hyper),
-        "AdamW (fused)": lambda p: torch.optim.AdamW(p, fused=True, **hyper),
-        "ZeroOneAdam local step": lambda p: ZeroOneAdam(p, var_freeze_step=1, local_steps="fixed", local_step_interval=10**9, **ours),
-        "ZeroOneAdam sync step": lambda p: ZeroOneAdam(p, var_freeze_step=1, local_steps="fixed", local_step_interval=1, **ours),
-        "OneBitAdam (frozen)": lambda p: OneBitAdam(p, freeze_step=1, **ours),
+        "AdamW foreach": lambda p: torch.optim.AdamW(p, foreach=True, **hyper),
+        "AdamW fused": lambda p: torch.optim.AdamW(p, fused=True, **hyper),
+        "ZeroOneAdam local": lambda p: ZeroOneAdam(p, var_freeze_step=1, local_steps="fixed", local_step_interval=10**9, **ours),
+        "ZeroOneAdam sync": lambda p: ZeroOneAdam(p, var_freeze_step=1, local_steps="fixed", local_step_interval=1, **ours),
+        "OneBitAdam frozen": lambda p: OneBitAdam(p, freeze_step=1, **ours),
         "DataParallelAdam": lambda p: DataParallelAdam(p, **ours),
     }
     optimizers = {name: make(fresh_params()) for name, make in makers.items()}
@@ -171,7 +172,7 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
             times[name].append(time.perf_counter() - start)
     _check_phases(optimizers)
 
-    baseline = statistics.median(times["AdamW (foreach)"])
+    baseline = statistics.median(times["AdamW foreach"])
     rows = []
     for name, opt in optimizers.items():
         step_s = statistics.median(times[name])
@@ -189,10 +190,11 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
                 "workspace_copies": workspace / (4 * numel),
             }
         )
-    local = next(r for r in rows if r["name"] == "ZeroOneAdam local step")["vs_adamw_foreach"]
+    local = next(r for r in rows if r["name"] == "ZeroOneAdam local")["vs_adamw_foreach"]
 
-    zero_one = optimizers["ZeroOneAdam local step"]
-    measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for comm in zero_one._comms for key in STATE_KEYS + WORKSPACE_KEYS}
+    zero_one = optimizers["ZeroOneAdam local"]
+    comm = zero_one._comms[0]
+    measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for key in STATE_KEYS + WORKSPACE_KEYS}
     analytic = [_analytic_row(numel, n) for n in ANALYTIC_WORLD_SIZES]
     return {
         "threads": threads,
@@ -252,12 +254,12 @@ def profile_zero_one_local_step(params_millions: float = 25.0, steps: int = 5, t
 
 def _check_phases(optimizers: dict) -> None:
     """Make sure each of ours is in the phase its row claims (a wrong setting would time the wrong thing)."""
-    expected = {"ZeroOneAdam local step": False, "ZeroOneAdam sync step": True}
+    expected = {"ZeroOneAdam local": False, "ZeroOneAdam sync": True}
     for name, synced in expected.items():
         record = optimizers[name].last_step
         if record.variance_updated or record.synced != synced:
             raise RuntimeError(f"{name}: the last step was {record}, not the phase this row measures")
-    if optimizers["OneBitAdam (frozen)"].last_step.variance_updated:
+    if optimizers["OneBitAdam frozen"].last_step.variance_updated:
         raise RuntimeError("OneBitAdam is still in its warm-up")
 
 
@@ -307,8 +309,9 @@ def format_optimizer_bench(result: dict) -> Table:
             f"{result['threads']} threads, median of {result['repeats']}, world size 1"
         )
     )
-    for name in ("optimizer", "s/step", "vs AdamW foreach", "state B/param", "state copies", "comm B/param", "comm copies"):
-        measured.add_column(name, justify="left" if name == "optimizer" else "right")
+    measured.add_column("optimizer", no_wrap=True)
+    for name in ("s/step", "vs AdamW foreach", "state B/param", "state copies", "comm B/param", "comm copies"):
+        measured.add_column(name, justify="right")
     for r in result["rows"]:
         measured.add_row(
             r["name"],
@@ -344,10 +347,3 @@ def format_optimizer_bench(result: dict) -> Table:
     grid.add_row(measured)
     grid.add_row(analytic)
     return grid
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count

@@ -131,16 +131,7 @@ class Trainer:
             return DataParallelAdam(groups, **common)
         if o.name == "onebit_adam":
             return OneBitAdam(groups, freeze_step=o.freeze_step, **common)
-        return ZeroOneAdam(
-            groups,
-            var_freeze_step=o.var_freeze_step,
-            var_update_scaler=o.var_update_scaler,
-            local_steps=o.local_steps,
-            local_step_clip=o.local_step_clip,
-            local_step_scaler=o.local_step_scaler,
-            local_step_interval=o.local_step_interval,
-            **common,
-        )
+        return ZeroOneAdam(groups, **o.schedule_knobs(), **common)
 
     # ---- the loop -----------------------------------------------------------------------------
 
