@@ -69,14 +69,26 @@ def test_gpt2_tiny_runs_end_to_end_and_resumes_exactly(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("optimizer", ["adam", "onebit_adam"])
 def test_bert_tiny_runs_with_the_baselines(tmp_path, cache_dir, optimizer):
+    # Also exercises gradient accumulation (2 micro-batches per step) and bf16 autocast.
     run_dir = tmp_path / optimizer
-    done = zoa("run", "recipes/bert_tiny.yaml", "--out", str(run_dir), *short(cache_dir, 4, f"optimizer.name={optimizer}", "optimizer.freeze_step=2"))
+    extra = (f"optimizer.name={optimizer}", "optimizer.freeze_step=2", "train.micro_batch_size=8", "train.precision=bf16")
+    done = zoa("run", "recipes/bert_tiny.yaml", "--out", str(run_dir), *short(cache_dir, 4, *extra))
     assert done.returncode == 0, done.stderr[-3000:]
     records = metrics(run_dir)
     assert len(records) == 4 and all(METRIC_FIELDS <= set(r) for r in records)
     expected_bits = 16.0 if optimizer == "adam" else (2 * 16 + 2 * 1) / 4
     assert records[-1]["bits_per_param"] == pytest.approx(expected_bits)
     assert records[-1]["rounds"] == 4
+
+
+def test_runs_under_real_torchrun(tmp_path, cache_dir):
+    run_dir = tmp_path / "torchrun"
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "zoa_train.cli",
+               "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *short(cache_dir, 3)]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "step_00000003" / "rank_00001.pt").is_file()
 
 
 def write_recipe(tmp_path: Path, edit) -> Path:

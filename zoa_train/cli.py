@@ -187,6 +187,25 @@ def bench_comm(
     console.print(table)
 
 
+@bench_app.command("optim")
+def bench_optim(
+    params_millions: Annotated[float, typer.Option(help="Model size in millions of parameters. [default: 25]")] = 25.0,
+    repeats: Annotated[int, typer.Option(help="Timed steps after warm-up; the median is reported. [default: 10]")] = 10,
+    threads: Annotated[int, typer.Option(help="torch threads. [default: all cores]")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Optimizer step cost against torch.optim.AdamW(foreach) and optimizer state bytes per parameter."""
+    from zoa_train.bench.optim import format_optimizer_bench, run_optimizer_bench
+
+    if params_millions <= 0 or repeats < 1 or threads < 0:
+        fail("--params-millions must be positive, --repeats at least 1 and --threads >= 0.")
+    result = run_optimizer_bench(params_millions, repeats, threads or None)
+    if as_json:
+        print(json.dumps(result, default=str))
+    else:
+        console.print(format_optimizer_bench(result))
+
+
 @bench_app.command("loader")
 def bench_loader(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe whose data and model are measured.")],

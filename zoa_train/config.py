@@ -221,15 +221,15 @@ def _check(recipe: Recipe, origin: str) -> None:
         "train.keep_checkpoints": t.keep_checkpoints, "data.seq_len": d.seq_len, "data.vocab_size": d.vocab_size,
         "optimizer.lr": o.lr, "optimizer.var_update_scaler": o.var_update_scaler, "optimizer.local_step_clip": o.local_step_clip,
         "optimizer.local_step_scaler": o.local_step_scaler, "optimizer.local_step_interval": o.local_step_interval,
-        "schedule.decay_every": recipe.schedule.decay_every,
+        "schedule.decay_every": recipe.schedule.decay_every, "optimizer.freeze_step": o.freeze_step,
+        "optimizer.var_freeze_step": o.var_freeze_step,
     }
     for key, value in positive.items():
         if value <= 0:
             raise UserError(f"{origin}: {key} must be positive, not {value}.")
     non_negative = {
         "train.grad_clip": t.grad_clip, "train.val_every": t.val_every, "train.checkpoint_every": t.checkpoint_every,
-        "optimizer.weight_decay": o.weight_decay, "optimizer.eps": o.eps, "optimizer.freeze_step": o.freeze_step,
-        "optimizer.var_freeze_step": o.var_freeze_step, "schedule.warmup_steps": recipe.schedule.warmup_steps,
+        "optimizer.weight_decay": o.weight_decay, "optimizer.eps": o.eps, "schedule.warmup_steps": recipe.schedule.warmup_steps,
         "model.dropout": m.dropout,
     }
     for key, value in non_negative.items():

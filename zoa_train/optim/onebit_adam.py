@@ -27,8 +27,8 @@ class OneBitAdam(DataParallelOptimizer):
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
     ):
-        if freeze_step < 0:
-            raise ValueError(f"freeze_step must be >= 0, got {freeze_step}")
+        if freeze_step < 1:  # at least one full-precision step, or v stays zero and nothing moves
+            raise ValueError(f"freeze_step must be at least 1, got {freeze_step}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, process_group, allreduce_dtype)
         self.freeze_step = freeze_step

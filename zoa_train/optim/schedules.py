@@ -50,8 +50,8 @@ class ZeroOneSchedule:
         for name in ("var_update_scaler", "local_step_clip", "local_step_scaler", "local_step_interval"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.var_freeze_step < 0:
-            raise ValueError(f"var_freeze_step must be >= 0, got {self.var_freeze_step}")
+        if self.var_freeze_step < 1:  # step 0 must update v, or every denominator stays infinite
+            raise ValueError(f"var_freeze_step must be at least 1, got {self.var_freeze_step}")
 
     def interval(self, lr: float) -> int:
         """Sync interval at the current step for learning rate `lr` (does not advance)."""

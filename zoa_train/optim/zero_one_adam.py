@@ -126,15 +126,14 @@ class ZeroOneAdam(DataParallelOptimizer):
         self._comms[index].exchange(out=m)  # m <- w_bar, the averaged displacement
         inactive = denom == float("inf")  # v == 0: compression noise only
         m.masked_fill_(inactive, 0.0)
-        params = flat.params
-        torch._foreach_copy_(params, flat.views(anchor))
+        # The new point is computed in the anchor, then copied once into the parameters.
         if scalars["decay"] != 1.0:
-            torch._foreach_mul_(params, scalars["decay"])
-        torch._foreach_sub_(params, flat.views(m))
+            anchor.mul_(scalars["decay"])
+        anchor.sub_(m)
+        torch._foreach_copy_(flat.params, flat.views(anchor))
         m.mul_(denom).masked_fill_(inactive, 0.0)
         if scalars["lr_sum"] > 0:
             m.div_(scalars["lr_sum"])
-        torch._foreach_copy_(flat.views(anchor), params)
         scalars.update(lr_sum=0.0, decay=1.0)
 
     def _denominator_of(self, index: int, group: dict) -> torch.Tensor:
