@@ -16,6 +16,7 @@ from zoa_train.data import (
     CausalLMBlocks,
     DistributedBatchLoader,
     MaskedLMBlocks,
+    SentencePairBlocks,
     TextSource,
     iter_texts,
     lm_blocks,
@@ -303,6 +304,26 @@ def test_mlm_masking_rates_specials_and_determinism(bert):
     assert torch.equal(same["input_ids"], ids) and torch.equal(same["labels"], labels)
     for other in (step_generator(1, 0, 8), step_generator(1, 1, 7), step_generator(2, 0, 7)):
         assert not torch.equal(blocks.batch(indices, other)["labels"], labels)
+
+
+def test_sentence_pairs_for_the_next_sentence_head(bert):
+    tok = bert.tokenizer
+    blocks = SentencePairBlocks(bert.train, 64, tok)
+    indices = np.arange(400)
+    batch = blocks.batch(indices, step_generator(3, 0, 1))
+    ids, labels, types, is_random = batch["input_ids"], batch["labels"], batch["token_type_ids"], batch["next_sentence_label"]
+    half = blocks.half
+    assert ids.shape == types.shape == (400, 64) and is_random.shape == (400,)
+    assert (ids[:, 0] == tok.cls_token_id).all() and (ids[:, half + 1] == tok.sep_token_id).all() and (ids[:, -1] == tok.sep_token_id).all()
+    assert (types[:, : half + 2] == 0).all() and (types[:, half + 2 :] == 1).all()
+    assert 0.4 < is_random.float().mean() < 0.6
+    original = ids.clone()
+    original[labels != IGNORE_INDEX] = labels[labels != IGNORE_INDEX]  # undo the masking
+    stream = blocks.stream.rows(indices)
+    assert torch.equal(original[:, 1 : half + 1], stream[:, :half])  # A is always the block's first half
+    kept = is_random == 0
+    assert torch.equal(original[kept, half + 2 : -1], stream[kept, half:])  # B follows A unless drawn at random
+    assert not torch.equal(original[~kept, half + 2 : -1], stream[~kept, half:])
 
 
 def test_ranks_see_disjoint_blocks_and_epochs_reshuffle():

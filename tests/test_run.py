@@ -69,9 +69,11 @@ def test_gpt2_tiny_runs_end_to_end_and_resumes_exactly(tmp_path, cache_dir):
 
 @pytest.mark.parametrize("optimizer", ["adam", "onebit_adam"])
 def test_bert_tiny_runs_with_the_baselines(tmp_path, cache_dir, optimizer):
-    # Also exercises gradient accumulation (2 micro-batches per step) and bf16 autocast.
+    # Also exercises gradient accumulation (2 micro-batches per step), bf16 autocast and, with adam,
+    # the next-sentence head on sentence pairs.
     run_dir = tmp_path / optimizer
-    extra = (f"optimizer.name={optimizer}", "optimizer.freeze_step=2", "train.micro_batch_size=8", "train.precision=bf16")
+    extra = (f"optimizer.name={optimizer}", "optimizer.freeze_step=2", "train.micro_batch_size=8", "train.precision=bf16",
+             f"model.next_sentence={str(optimizer == 'adam').lower()}")
     done = zoa("run", "recipes/bert_tiny.yaml", "--out", str(run_dir), *short(cache_dir, 4, *extra))
     assert done.returncode == 0, done.stderr[-3000:]
     records = metrics(run_dir)

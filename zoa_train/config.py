@@ -26,6 +26,7 @@ class ModelConfig:
     n_embd: int | None = None
     n_head: int | None = None
     dropout: float = 0.1
+    next_sentence: bool = False  # BERT: add the next-sentence head and train on sentence pairs
     init_from: str | None = None  # a local Hugging Face model directory, or a hub name when online
 
 
@@ -239,6 +240,8 @@ def _check(recipe: Recipe, origin: str) -> None:
         raise UserError(f"{origin}: optimizer.betas must both be in [0, 1), not {list(o.betas)}.")
     if not 0 < recipe.schedule.decay_factor <= 1:
         raise UserError(f"{origin}: schedule.decay_factor must be in (0, 1], not {recipe.schedule.decay_factor}.")
+    if m.next_sentence and m.kind != "bert":
+        raise UserError(f"{origin}: model.next_sentence is a BERT head; set it to false for {m.kind}.")
     if d.source == "files" and not d.train_files:
         raise UserError(f"{origin}: data.train_files must name at least one file when data.source is files.")
     for name in d.train_files + d.validation_files:

@@ -19,7 +19,7 @@ def run_loader_bench(recipe: Recipe, batches: int = 20) -> dict:
     d = recipe.data
     source = TextSource(name=d.source, config=d.config, train_files=tuple(d.train_files), validation_files=tuple(d.validation_files), text_field=d.text_field)
     data = prepare_lm_data(source, recipe.model.kind, Path(d.cache_dir).expanduser(), d.tokenizer, d.vocab_size)
-    blocks = lm_blocks(recipe.model.kind, data.train, d.seq_len, data.tokenizer)
+    blocks = lm_blocks(recipe.model.kind, data.train, d.seq_len, data.tokenizer, recipe.model.next_sentence)
     loader = DistributedBatchLoader(blocks, recipe.train.micro_batch_size, seed=recipe.train.seed)
     next(loader)
     start = time.perf_counter()

@@ -12,6 +12,7 @@ from zoa_train.data.lm import (
     CausalLMBlocks,
     DistributedBatchLoader,
     MaskedLMBlocks,
+    SentencePairBlocks,
     lm_blocks,
     validation_batches,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "DistributedBatchLoader",
     "LMData",
     "MaskedLMBlocks",
+    "SentencePairBlocks",
     "TextSource",
     "iter_texts",
     "lm_blocks",

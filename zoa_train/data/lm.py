@@ -83,15 +83,49 @@ class MaskedLMBlocks:
         return {"input_ids": input_ids, "labels": labels}
 
 
+class SentencePairBlocks(MaskedLMBlocks):
+    """MLM blocks as sentence pairs for BERT's next-sentence head: ``[CLS] A [SEP] B [SEP]``.
+
+    A is the first half of a block's stream tokens. B is its second half (label 0, "is next"), or
+    with probability 1/2 the second half of another block drawn from the same generator (label 1).
+    The halves are cut at a fixed position rather than at sentence ends: the stream is packed and
+    has no sentence index, and a fixed cut keeps a batch one fancy-index away.
+    """
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, tokenizer: "PreTrainedTokenizerBase", mask_probability: float = 0.15):
+        if seq_len < 5:
+            raise UserError(f"seq_len must be at least 5 for sentence pairs ([CLS] A [SEP] B [SEP]), not {seq_len}.")
+        super().__init__(tokens, seq_len - 1, tokenizer, mask_probability)
+        self.half = (seq_len - 3) // 2
+
+    def batch(self, indices: np.ndarray, generator: torch.Generator) -> dict[str, torch.Tensor]:
+        inner = self.stream.rows(indices)
+        rows = len(inner)
+        random_next = torch.rand(rows, generator=generator) < 0.5
+        others = torch.randint(len(self.stream), (rows,), generator=generator).numpy()
+        first, second = inner[:, : self.half], inner[:, self.half :].clone()
+        if random_next.any():
+            second[random_next] = self.stream.rows(others[random_next.numpy()])[:, self.half :]
+        cls = torch.full((rows, 1), self.cls_id)
+        sep = torch.full((rows, 1), self.sep_id)
+        input_ids = torch.cat([cls, first, sep, second, sep], dim=1)
+        token_type_ids = torch.zeros_like(input_ids)
+        token_type_ids[:, self.half + 2 :] = 1
+        batch = self.mask(input_ids, generator)
+        batch["token_type_ids"] = token_type_ids
+        batch["next_sentence_label"] = random_next.long()
+        return batch
+
+
 Blocks = CausalLMBlocks | MaskedLMBlocks
 
 
-def lm_blocks(kind: str, tokens: np.ndarray, seq_len: int, tokenizer: "PreTrainedTokenizerBase") -> Blocks:
-    """Causal-LM blocks for ``kind="gpt2"``, MLM blocks for ``kind="bert"``."""
+def lm_blocks(kind: str, tokens: np.ndarray, seq_len: int, tokenizer: "PreTrainedTokenizerBase", next_sentence: bool = False) -> Blocks:
+    """Causal-LM blocks for ``kind="gpt2"``, MLM blocks for ``kind="bert"`` (sentence pairs with ``next_sentence``)."""
     if kind == "gpt2":
         return CausalLMBlocks(tokens, seq_len)
     if kind == "bert":
-        return MaskedLMBlocks(tokens, seq_len, tokenizer)
+        return SentencePairBlocks(tokens, seq_len, tokenizer) if next_sentence else MaskedLMBlocks(tokens, seq_len, tokenizer)
     raise UserError(f"Model kind must be gpt2 or bert, not {kind!r}.")
 
 

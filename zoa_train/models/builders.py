@@ -3,7 +3,7 @@
 Presets follow the published shapes: GPT-2 117M/medium/large/xl (12/24/36/48 layers of
 768/1024/1280/1600 with 12/16/20/25 heads, context 1024) and BERT base/large (12/24 layers of
 768/1024 with 12/16 heads, feed-forward 4x). `n_layer`, `n_embd`, `n_head` override a preset;
-size "custom" needs all three.
+size "custom" needs all three. BERT with `next_sentence` is BertForPreTraining (MLM + next-sentence head).
 """
 
 import torch
@@ -46,7 +46,9 @@ def build_model(
     import transformers
 
     if cfg.init_from:
-        auto = transformers.AutoModelForCausalLM if cfg.kind == "gpt2" else transformers.AutoModelForMaskedLM
+        auto = {"gpt2": transformers.AutoModelForCausalLM, "bert": transformers.AutoModelForMaskedLM}[cfg.kind]
+        if cfg.next_sentence:
+            auto = transformers.AutoModelForPreTraining
         try:
             return auto.from_pretrained(cfg.init_from)
         except OSError as e:
@@ -77,4 +79,4 @@ def build_model(
         attention_probs_dropout_prob=cfg.dropout,
         pad_token_id=pad_token_id or 0,
     )
-    return transformers.BertForMaskedLM(config)
+    return transformers.BertForPreTraining(config) if cfg.next_sentence else transformers.BertForMaskedLM(config)

@@ -87,8 +87,8 @@ class Trainer:
         data = prepare_lm_data(source, recipe.model.kind, cache_dir, recipe.data.tokenizer, recipe.data.vocab_size)
         self.tokenizer = data.tokenizer
         seq_len = recipe.data.seq_len
-        self.loader = DistributedBatchLoader(lm_blocks(recipe.model.kind, data.train, seq_len, data.tokenizer), t.micro_batch_size, self.rank, self.world, t.seed)
-        self.val_blocks = lm_blocks(recipe.model.kind, data.validation, seq_len, data.tokenizer)
+        self.loader = DistributedBatchLoader(lm_blocks(recipe.model.kind, data.train, seq_len, data.tokenizer, recipe.model.next_sentence), t.micro_batch_size, self.rank, self.world, t.seed)
+        self.val_blocks = lm_blocks(recipe.model.kind, data.validation, seq_len, data.tokenizer, recipe.model.next_sentence)
 
         torch.manual_seed(t.seed)
         self.model = build_model(recipe.model, len(data.tokenizer), seq_len, data.tokenizer.pad_token_id, data.tokenizer.eos_token_id).to(self.device)

@@ -1,0 +1,48 @@
+"""Cluster-environment detection (no processes started)."""
+
+import pytest
+
+from zoa_train.distributed import cluster_environment, export_slurm_environment, first_slurm_node
+
+TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_JOB_NODELIST")
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    for name in TORCH_VARS + SLURM_VARS:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def test_no_launcher(clean_env):
+    assert cluster_environment() is None
+
+
+def test_torchrun_is_recognised(clean_env):
+    clean_env.setenv("RANK", "3")
+    clean_env.setenv("WORLD_SIZE", "8")
+    assert cluster_environment() == "torchrun"
+
+
+def test_srun_step_is_translated_for_torch(clean_env):
+    for name, value in {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
+                        "SLURM_JOB_NODELIST": "gpu[007-010],gpu012"}.items():
+        clean_env.setenv(name, value)
+    assert cluster_environment() == "slurm"
+    export_slurm_environment()
+    import os
+
+    assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "16", "1")
+    assert os.environ["MASTER_ADDR"] == "gpu007" and os.environ["MASTER_PORT"] == "29500"
+
+
+def test_a_batch_script_outside_srun_is_not_a_rank(clean_env):
+    clean_env.setenv("SLURM_PROCID", "0")
+    clean_env.setenv("SLURM_NTASKS", "4")  # sbatch sets these, but only srun starts a step
+    assert cluster_environment() is None
+
+
+@pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("a[3-5]", "a3"), ("gpu[012,015],cpu1", "gpu012")])
+def test_first_slurm_node_without_scontrol(nodelist, first):
+    assert first_slurm_node(nodelist) == first
