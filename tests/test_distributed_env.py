@@ -10,8 +10,11 @@ SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID", 
 
 @pytest.fixture
 def clean_env(monkeypatch):
+    # setenv first so that monkeypatch records the original state of every variable, including the
+    # ones export_slurm_environment writes behind its back: all are restored after the test.
     for name in TORCH_VARS + SLURM_VARS:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     return monkeypatch
 
 
