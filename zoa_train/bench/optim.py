@@ -60,6 +60,7 @@ import time
 import torch
 from rich.table import Table
 
+from zoa_train.comm.onebit import onebit_layout
 from zoa_train.comm.packing import BLOCK
 from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam
 
@@ -115,13 +116,12 @@ def onebit_allreduce_bytes(numel: int, world_size: int) -> dict[str, int]:
     At n = 1 it is inactive: the worker buffer has N elements and the others are empty.
     """
     n = world_size
-    if n == 1 or numel == 0:
+    padded, chunk, segment = onebit_layout(numel, n)
+    if padded == 0:
         return {"_worker": 4 * numel, "_server": 0, "_send": 0, "_recv": 0, "_gathered": 0, "_mine": 0, "_work": 0}
-    padded = -(-numel // (8 * n)) * (8 * n)
-    segment = padded // (8 * n) + 4
     return {
         "_worker": 4 * padded,
-        "_server": 4 * (padded // n),
+        "_server": 4 * chunk,
         "_send": n * segment,
         "_recv": n * segment,
         "_gathered": n * segment,

@@ -2,7 +2,7 @@
 
 from zoa_train.comm.collectives import allreduce, default_ledger, group_size_rank, ring_allreduce_bytes
 from zoa_train.comm.ledger import CommLedger, StepComm
-from zoa_train.comm.onebit import OneBitAllReduce
+from zoa_train.comm.onebit import OneBitAllReduce, onebit_layout
 from zoa_train.comm.packing import pack_signs, sign_table, unpack_signs
 
 __all__ = [
@@ -11,6 +11,7 @@ __all__ = [
     "StepComm",
     "allreduce",
     "default_ledger",
+    "onebit_layout",
     "group_size_rank",
     "pack_signs",
     "ring_allreduce_bytes",

@@ -28,6 +28,17 @@ _SCALE_BYTES = 4
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def onebit_layout(numel: int, world_size: int) -> tuple[int, int, int]:
+    """(padded length, chunk per rank, bytes per wire segment) of a 1-bit allreduce of `numel`
+    elements: padded to a multiple of 8n, a segment is a chunk's packed signs plus its fp32 scale.
+    All zero when there is nothing to send (one rank or no elements)."""
+    if world_size < 2 or numel <= 0:
+        return 0, 0, 0
+    padded = -(-numel // (8 * world_size)) * (8 * world_size)
+    chunk = padded // world_size
+    return padded, chunk, chunk // 8 + _SCALE_BYTES
+
+
 class OneBitAllReduce:
     """Averages a fixed-size flat buffer over a process group with 1-bit error-compensated compression.
 
@@ -52,11 +63,9 @@ class OneBitAllReduce:
         self.ledger = ledger if ledger is not None else default_ledger()
         self.block_size = max(8, block_size // 8 * 8)
         n = self.world_size
-        active = n > 1 and self.numel > 0
-        self.padded_numel = -(-self.numel // (8 * n)) * (8 * n) if active else 0
-        self.chunk = self.padded_numel // n
+        self.padded_numel, self.chunk, self._segment = onebit_layout(self.numel, n)
+        active = self.padded_numel > 0
         self._packed_chunk = self.chunk // 8
-        self._segment = self._packed_chunk + _SCALE_BYTES
         self._chunk_valid = min(max(self.numel - self.rank * self.chunk, 0), self.chunk)
 
         f32, u8 = dict(dtype=torch.float32, device=self.device), dict(dtype=torch.uint8, device=self.device)

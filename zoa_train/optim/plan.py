@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from rich.table import Table
 
 from zoa_train.comm.collectives import ring_allreduce_bytes
+from zoa_train.comm.onebit import onebit_layout
 from zoa_train.errors import UserError
 from zoa_train.optim.lr_schedules import LRSchedule
 from zoa_train.optim.schedules import StepDecision, ZeroOneSchedule, variance_update_bound
@@ -32,7 +33,6 @@ from zoa_train.optim.schedules import StepDecision, ZeroOneSchedule, variance_up
 OPTIMIZERS = ("adam", "onebit_adam", "zero_one_adam")
 TITLES = {"adam": "Adam", "onebit_adam": "1-bit Adam", "zero_one_adam": "0/1 Adam"}
 ALLREDUCE_BITS = (16, 32)
-_SCALE_BYTES = 4  # fp32 scale appended to every 1-bit segment (zoa_train.comm.onebit)
 
 # What a 0/1 Adam step sends.
 FULL_PRECISION = "full_precision"
@@ -48,29 +48,13 @@ def step_kind(decision: StepDecision) -> str:
     return ONE_BIT if decision.sync else LOCAL
 
 
-def zero_one_step_kinds(
-    steps: int,
-    lr_schedule: LRSchedule,
-    *,
-    var_freeze_step: int = 100_000,
-    var_update_scaler: int = 16,
-    local_steps: str = "lr",
-    local_step_clip: int = 16,
-    local_step_scaler: int = 32_768,
-    local_step_interval: int = 1,
-) -> Iterator[tuple[StepDecision, str]]:
+def zero_one_step_kinds(steps: int, lr_schedule: LRSchedule, **schedule_knobs) -> Iterator[tuple[StepDecision, str]]:
     """(decision, step_kind) for each of the first `steps` 0/1 Adam steps.
 
     Drives a fresh ZeroOneSchedule with lr_schedule(t), exactly what ZeroOneAdam does when its
-    group lr follows the schedule, so plan and optimizer cannot disagree on the schedule."""
-    schedule = ZeroOneSchedule(
-        var_freeze_step=var_freeze_step,
-        var_update_scaler=var_update_scaler,
-        local_steps=local_steps,
-        local_step_clip=local_step_clip,
-        local_step_scaler=local_step_scaler,
-        local_step_interval=local_step_interval,
-    )
+    group lr follows the schedule, so plan and optimizer cannot disagree on the schedule.
+    `schedule_knobs` are ZeroOneSchedule's keyword arguments (its defaults are the optimizer's)."""
+    schedule = ZeroOneSchedule(**schedule_knobs)
     advance = schedule.advance
     for t in range(steps):
         decision = advance(lr_schedule(t))
@@ -79,12 +63,8 @@ def zero_one_step_kinds(
 
 def onebit_call_bytes(num_params: int, world_size: int) -> int:
     """Bytes one rank sends in one OneBitAllReduce call: 2(n-1) segments of chunk/8 + 4 bytes."""
-    n = world_size
-    if n < 2 or num_params <= 0:
-        return 0
-    padded = -(-num_params // (8 * n)) * (8 * n)
-    segment = padded // n // 8 + _SCALE_BYTES
-    return 2 * (n - 1) * segment
+    _, _, segment = onebit_layout(num_params, world_size)
+    return 2 * (world_size - 1) * segment
 
 
 def _summary(
@@ -130,16 +110,11 @@ def plan(
     num_params: int,
     *,
     freeze_step: int = 100_000,
-    var_freeze_step: int = 100_000,
-    var_update_scaler: int = 16,
-    local_steps: str = "lr",
-    local_step_clip: int = 16,
-    local_step_scaler: int = 32_768,
-    local_step_interval: int = 1,
     allreduce_bits: int = 32,
     bandwidth_bytes_per_s: float,
     latency_s: float,
     betas: tuple[float, float] = (0.9, 0.999),
+    **schedule_knobs,
 ) -> dict[str, dict]:
     """Per optimizer name ("adam", "onebit_adam", "zero_one_adam"), the run's communication totals.
 
@@ -173,16 +148,7 @@ def plan(
     kinds = {FULL_PRECISION: 0, ONE_BIT: 0, LOCAL: 0}
     max_interval = 0
     try:
-        decisions = zero_one_step_kinds(
-            steps,
-            lr_schedule,
-            var_freeze_step=var_freeze_step,
-            var_update_scaler=var_update_scaler,
-            local_steps=local_steps,
-            local_step_clip=local_step_clip,
-            local_step_scaler=local_step_scaler,
-            local_step_interval=local_step_interval,
-        )
+        decisions = zero_one_step_kinds(steps, lr_schedule, **schedule_knobs)
         for decision, kind in decisions:
             kinds[kind] += 1
             if decision.interval > max_interval:
