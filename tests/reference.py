@@ -9,37 +9,46 @@ def sign(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 0, 1.0, -1.0)
 
 
-def onebit_allreduce_reference(inputs, worker_errors, server_errors, numel):
-    """Emulate one OneBitAllReduce call on n ranks. Returns (output, new worker errors, new server errors)."""
+def onebit_allreduce_reference(inputs, worker_errors, server_errors, numel, scale_row):
+    """Emulate one OneBitAllReduce call on n ranks with one scale per row of `scale_row` elements
+    (each chunk cut into equal rows, a multiple of 32). Returns (output, new worker errors, new
+    server errors)."""
     n = len(inputs)
-    padded = math.ceil(numel / (8 * n)) * 8 * n
-    chunk = padded // n
-    ys, signs, new_we = [], [], []
-    scales = []
+    need = math.ceil(numel / n)
+    rows = math.ceil(need / max(32, scale_row))
+    row = math.ceil(need / (rows * 32)) * 32
+    chunk = rows * row
+    padded = n * chunk
+
+    def compress(y, first):
+        """Per row: scale = RMS over its real elements, the scaled signs, the error."""
+        scaled = torch.zeros_like(y)
+        for r in range(0, y.numel(), row):
+            real = min(max(numel - (first + r), 0), row)
+            part = y[r : r + row]
+            s = torch.linalg.vector_norm(part) / math.sqrt(max(real, 1))
+            scaled[r : r + row] = s * sign(part)
+        error = y - scaled
+        error[max(numel - first, 0) :] = 0
+        return scaled, error
+
+    sent, new_we = [], []
     for x, e in zip(inputs, worker_errors):
         y = e.clone()
         y[:numel] += x.float().reshape(-1)
-        s = torch.linalg.vector_norm(y) / math.sqrt(numel)
-        sg = sign(y)
-        err = y - s * sg
-        err[numel:] = 0
-        scales.append(s)
-        signs.append(sg)
-        new_we.append(err)
+        scaled, error = compress(y, 0)
+        sent.append(scaled)
+        new_we.append(error)
     out = torch.empty(padded)
     new_se = []
     for j in range(n):
         c = server_errors[j].clone()
         for i in range(n):
-            c += (scales[i] / n) * signs[i][j * chunk : (j + 1) * chunk]
-        valid = min(max(numel - j * chunk, 0), chunk)
-        c[valid:] = 0
-        ss = torch.linalg.vector_norm(c) / math.sqrt(max(valid, 1))
-        sc = sign(c)
-        e = c - ss * sc
-        e[valid:] = 0
-        new_se.append(e)
-        out[j * chunk : (j + 1) * chunk] = ss * sc
+            c += sent[i][j * chunk : (j + 1) * chunk] / n
+        c[max(numel - j * chunk, 0) :] = 0
+        scaled, error = compress(c, j * chunk)
+        new_se.append(error)
+        out[j * chunk : (j + 1) * chunk] = scaled
     return out[:numel], new_we, new_se
 
 

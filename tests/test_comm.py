@@ -1,11 +1,10 @@
-import math
-
 import pytest
 import torch
 
 from distributed_harness import run_ranks
 from reference import onebit_allreduce_reference
-from zoa_train.comm import CommLedger, OneBitAllReduce, allreduce, pack_signs, unpack_signs
+from zoa_train.comm import CommLedger, OneBitAllReduce, allreduce, onebit_layout, pack_signs, unpack_signs
+from zoa_train.comm.onebit import SCALE_ROW
 
 # (name, numel, dtype, zeros)
 CASES = [
@@ -24,40 +23,56 @@ def _input(case: int, call: int, rank: int, numel: int, dtype, zeros: bool) -> t
     return (torch.randn(numel, generator=g) * (rank + 1)).to(dtype)
 
 
+# (scale_row, block_size): rows of 32 processed two at a time make every buffer span several
+# rows and blocks; the defaults give one row per chunk for these sizes.
+LAYOUTS = [(32, 64), (SCALE_ROW, None)]
+
+
 def _run_cases(rank, world_size):
     results = []
     for case, (_, numel, dtype, zeros) in enumerate(CASES):
-        # A small block size makes every buffer span several blocks.
-        comm = OneBitAllReduce(numel, block_size=64, ledger=CommLedger(num_params=numel))
-        calls = []
-        for call in range(3):
-            x = _input(case, call, rank, numel, dtype, zeros)
-            out = comm.op(x.clone())
-            calls.append({"out": out, "worker_error": comm.worker_error.clone(), "server_error": comm.server_error.clone()})
-        results.append(calls)
+        for scale_row, block_size in LAYOUTS:
+            comm = OneBitAllReduce(numel, block_size=block_size, scale_row=scale_row, ledger=CommLedger(num_params=numel))
+            calls = []
+            for call in range(3):
+                x = _input(case, call, rank, numel, dtype, zeros)
+                out = comm.op(x.clone())
+                calls.append({"out": out, "worker_error": comm.worker_error, "server_error": comm.server_error})
+            results.append(calls)
     return results
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_onebit_allreduce_matches_reference_and_is_identical_on_all_ranks(world_size):
     ranks = run_ranks(_run_cases, world_size)
+    n = world_size
     for case, (name, numel, dtype, zeros) in enumerate(CASES):
-        n = world_size
-        padded = math.ceil(numel / (8 * n)) * 8 * n
-        worker_errors = [torch.zeros(padded) for _ in range(n)]
-        server_errors = [torch.zeros(padded // n) for _ in range(n)]
-        for call in range(3):
-            inputs = [_input(case, call, r, numel, dtype, zeros) for r in range(n)]
-            ref, worker_errors, server_errors = onebit_allreduce_reference(inputs, worker_errors, server_errors, numel)
-            for r in range(n):
-                got = ranks[r][case][call]
-                assert got["out"].dtype == dtype, name
-                assert torch.equal(got["out"], ranks[0][case][call]["out"]), f"{name}: rank {r} differs from rank 0"
-                torch.testing.assert_close(got["out"].float(), ref.to(dtype).float(), rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(got["worker_error"], worker_errors[r], rtol=1e-5, atol=1e-5)
-                torch.testing.assert_close(got["server_error"], server_errors[r], rtol=1e-5, atol=1e-5)
-        if zeros:
-            assert all(torch.count_nonzero(ranks[r][case][2]["out"]) == 0 for r in range(n))
+        for index, (scale_row, _) in enumerate(LAYOUTS):
+            result = case * len(LAYOUTS) + index
+            layout = onebit_layout(numel, n, scale_row)
+            worker_errors = [torch.zeros(layout.padded) for _ in range(n)]
+            server_errors = [torch.zeros(layout.chunk) for _ in range(n)]
+            for call in range(3):
+                inputs = [_input(case, call, r, numel, dtype, zeros) for r in range(n)]
+                ref, worker_errors, server_errors = onebit_allreduce_reference(inputs, worker_errors, server_errors, numel, scale_row)
+                for r in range(n):
+                    got = ranks[r][result][call]
+                    assert got["out"].dtype == dtype, name
+                    assert torch.equal(got["out"], ranks[0][result][call]["out"]), f"{name}: rank {r} differs from rank 0"
+                    torch.testing.assert_close(got["out"].float(), ref.to(dtype).float(), rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(got["worker_error"], worker_errors[r], rtol=1e-5, atol=1e-5)
+                    torch.testing.assert_close(got["server_error"], server_errors[r], rtol=1e-5, atol=1e-5)
+            if zeros:
+                assert all(torch.count_nonzero(ranks[r][result][2]["out"]) == 0 for r in range(n))
+
+
+def test_layout_rows_cover_the_buffer_with_little_padding():
+    for numel, n, scale_row in [(1, 2, 64), (1000, 3, 64), (10**6, 8, SCALE_ROW), (3 * SCALE_ROW + 1, 1 + 1, SCALE_ROW)]:
+        layout = onebit_layout(numel, n, scale_row)
+        assert layout.padded == n * layout.chunk == n * layout.rows * layout.row >= numel
+        assert layout.row % 32 == 0 and layout.row <= max(32, scale_row)
+        assert layout.padded - numel < n * layout.rows * 32  # under 32 elements of padding per row
+        assert layout.segment == layout.chunk // 8 + 4 * layout.rows
 
 
 def _error_feedback(rank, world_size, numel, calls):
@@ -84,6 +99,28 @@ def test_error_feedback_running_mean_converges_like_one_over_k():
     assert rel(100) < rel(25) / 2.5  # 1/K would give 4: the carried error stays bounded
 
 
+def _layered_call_errors(rank, world_size, scale_rows):
+    """One call's relative error in each of six "layers" of 4096 elements whose magnitudes span 1e-3..1e2."""
+    g = torch.Generator().manual_seed(rank)
+    x = torch.cat([torch.randn(4096, generator=g) * 10.0**k for k in range(-3, 3)])
+    exact = x.clone()
+    torch.distributed.all_reduce(exact)
+    exact /= world_size
+    errors = {}
+    for scale_row in scale_rows:
+        out = OneBitAllReduce(x.numel(), scale_row=scale_row, ledger=CommLedger(num_params=x.numel())).op(x.clone())
+        layer_errors = torch.linalg.vector_norm((out - exact).view(6, -1), dim=1) / torch.linalg.vector_norm(exact.view(6, -1), dim=1)
+        errors[scale_row] = layer_errors.tolist()
+    return errors
+
+
+def test_row_scales_follow_the_magnitude_of_each_part_of_the_buffer():
+    # rows of 4096 match the layers; rows of 1M give one scale per chunk
+    errors = run_ranks(_layered_call_errors, 2, [4096, 1 << 20])[0]
+    assert max(errors[4096]) < 1.5  # every layer gets about one call's usual error (~0.93)
+    assert max(errors[1 << 20]) > 20  # one scale per chunk: its small layers drown in its large ones
+
+
 def _ledger_sequence(rank, world_size):
     ledger = CommLedger(num_params=1000)
     comm = OneBitAllReduce(1000, ledger=ledger)
@@ -98,13 +135,14 @@ def _ledger_sequence(rank, world_size):
 
 def test_ledger_totals_for_a_known_sequence():
     step1, step2, step3, summary, onebit_bytes = run_ranks(_ledger_sequence, 2)[0]
-    # 1000 elements on 2 ranks: chunks of 504 -> 63 bytes of signs + 4 of scale, one segment per pass.
-    assert onebit_bytes == 2 * (63 + 4)
-    assert (step1.bits_per_param, step1.round, step1.bytes_sent, step1.calls) == (1.0, True, 134, 2)
+    # 1000 elements on 2 ranks: chunks of 512 (one row, a multiple of 32) -> 64 bytes of signs
+    # + 4 of scale, one segment per pass.
+    assert onebit_bytes == 2 * (64 + 4)
+    assert (step1.bits_per_param, step1.round, step1.bytes_sent, step1.calls) == (1.0, True, 136, 2)
     assert (step2.bits_per_param, step2.round, step2.bytes_sent, step2.calls) == (0.0, False, 0, 0)
     assert step3.bits_per_param == 32 + 16 * 0.5
     assert step3.bytes_sent == 1000 * 4 + 500 * 2  # ring allreduce on 2 ranks sends N*size bytes
-    assert summary == {"steps": 3, "bits_per_param": (1 + 0 + 40) / 3, "rounds": 2, "bytes_sent": 134 + 5000, "collective_calls": 4}
+    assert summary == {"steps": 3, "bits_per_param": (1 + 0 + 40) / 3, "rounds": 2, "bytes_sent": 136 + 5000, "collective_calls": 4}
 
 
 def test_world_size_one_returns_input_unchanged():

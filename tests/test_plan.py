@@ -120,8 +120,8 @@ def small_plan(**overrides):
     """1,000 parameters, 2 ranks, 3 steps, fp32; alpha 1 ms, beta 1 MB/s.
 
     Adam: ring allreduce 2*(2-1)*1000*4/2 = 4,000 bytes per step.
-    1-bit call: 1,000 padded to 1,008 (a multiple of 8*2), chunk 504, segment 504/8 + 4 = 67 bytes,
-    2*(2-1) segments = 134 bytes.
+    1-bit call: 500 per rank -> one row of 512 (a multiple of 32), segment 512/8 + 4 = 68 bytes,
+    2*(2-1) segments = 136 bytes.
     1-bit Adam (freeze 1): one fp32 allreduce, then two 1-bit calls.
     0/1 Adam (var_freeze_step 1, fixed interval 2): step 0 is a variance step (fp32 allreduce),
     step 1 local, step 2 a 1-bit sync."""
@@ -143,12 +143,12 @@ def small_plan(**overrides):
 
 def test_small_case_bytes_and_time_by_hand():
     result = small_plan()
-    assert onebit_call_bytes(1000, 2) == 134
+    assert onebit_call_bytes(1000, 2) == 136
     adam, onebit, zoa = result["adam"], result["onebit_adam"], result["zero_one_adam"]
     assert adam["bytes_per_rank"] == 3 * 4000
-    assert onebit["bytes_per_rank"] == 4000 + 2 * 134
-    assert zoa["bytes_per_rank"] == 4000 + 134
-    fp_time, onebit_time = 2 * 1e-3 + 4000 / 1e6, (1e-3 + 67 / 1e6) * 2
+    assert onebit["bytes_per_rank"] == 4000 + 2 * 136
+    assert zoa["bytes_per_rank"] == 4000 + 136
+    fp_time, onebit_time = 2 * 1e-3 + 4000 / 1e6, (1e-3 + 68 / 1e6) * 2
     assert adam["comm_time_s"] == pytest.approx(3 * fp_time)
     assert onebit["comm_time_s"] == pytest.approx(fp_time + 2 * onebit_time)
     assert zoa["comm_time_s"] == pytest.approx(fp_time + onebit_time)
@@ -161,10 +161,11 @@ def test_small_case_bytes_and_time_by_hand():
 
 def test_bytes_with_three_ranks_and_fp16_and_one_rank():
     result = small_plan(world_size=3, allreduce_bits=16)
-    # fp16 ring: 2*2*1000*2 // 3 = 2,666; 1-bit: 1,008 = 42*24, chunk 336, segment 46, 4 segments.
-    assert onebit_call_bytes(1000, 3) == 184
+    # fp16 ring: 2*2*1000*2 // 3 = 2,666; 1-bit: 334 per rank -> one row of 352 (a multiple of 32),
+    # segment 352/8 + 4 = 48, 4 segments.
+    assert onebit_call_bytes(1000, 3) == 192
     assert result["adam"]["bytes_per_rank"] == 3 * 2666
-    assert result["zero_one_adam"]["bytes_per_rank"] == 2666 + 184
+    assert result["zero_one_adam"]["bytes_per_rank"] == 2666 + 192
     assert result["adam"]["bits_per_param"] == 16 and result["zero_one_adam"]["bits_per_param"] == 17 / 3
     alone = small_plan(world_size=1)
     for name in ("adam", "onebit_adam", "zero_one_adam"):
@@ -245,7 +246,7 @@ def test_format_plan_shows_the_three_optimizers():
     text = out.getvalue()
     for word in ("Adam", "1-bit Adam", "0/1 Adam", "|T_v|", "rounds", "syncs", "bits / param", "bytes / rank", "comm time", "vs Adam"):
         assert word in text
-    assert "4.13 kB" in text and "12.00 kB" in text
+    assert "4.14 kB" in text and "12.00 kB" in text
 
 
 LR_SCHEDULES = {

@@ -28,13 +28,19 @@ def parse_size(text: str) -> int:
     return int(number) * factor
 
 
-def _median_time(fn, repeats: int, device: torch.device) -> float:
-    """Median over `repeats` calls, each started together on all ranks."""
-    times = []
+def _median_times(fns, repeats: int, device: torch.device) -> list[float]:
+    """Median time of each (prepare, collective) pair over `repeats` rounds. The pairs take turns
+    within a round, so a slow spell of the machine hits all of them alike; each collective starts
+    together on all ranks and only the collective itself is timed."""
+    times = [[] for _ in fns]
     for _ in range(repeats):
-        dist.barrier()
-        times.append(_timed(fn, device))
-    return statistics.median(times)
+        for (prepare, collective), spent in zip(fns, times):
+            prepare()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            dist.barrier()
+            spent.append(_timed(collective, device))
+    return [statistics.median(spent) for spent in times]
 
 
 def _relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
@@ -89,18 +95,12 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None, nproc: int) -
         work = torch.empty_like(x)
         comm = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
 
-        def fp32_allreduce():
+        def reset():
             work.copy_(x)
-            dist.all_reduce(work)
 
-        def onebit_allreduce():
-            work.copy_(x)
-            comm.op(work)
-
-        fp32_allreduce()
-        onebit_allreduce()
-        fp32_s = _median_time(fp32_allreduce, repeats, device)
-        onebit_s = _median_time(onebit_allreduce, repeats, device)
+        pairs = [(reset, lambda: dist.all_reduce(work)), (reset, lambda: comm.op(work))]
+        _median_times(pairs, 1, device)  # warm-up
+        fp32_s, onebit_s = _median_times(pairs, repeats, device)
 
         feedback = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
         running = torch.zeros_like(x)

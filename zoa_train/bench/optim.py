@@ -34,9 +34,9 @@ the optimizer step is timed. All optimizers use the same lr, betas, eps and deco
    - ours, "state": the flat buffers in `opt._buffers` and, for each OneBitAllReduce in
      `opt._comms`, its worker buffer `_worker` (the accumulator / worker error) and server
      buffer `_server` (the server error of this rank's chunk).
-   - ours, "comm workspace": the same OneBitAllReduce's byte buffers `_send`, `_recv`,
-     `_gathered`, `_mine` and its fp32 scratch block `_work`. (`_send` and `_mine` also keep the
-     signs last sent, from which the deferred residual is applied on the next call.)
+   - ours, "comm workspace": the same OneBitAllReduce's wire buffers `_send`, `_recv`,
+     `_gathered`, `_mine` and its per-block scratch (`_flags`, `_flag_bytes`, `_words`,
+     `_index`, `_tables`) and per-row server coefficients.
    Transient tensors made during a step (a denominator, a flat gradient) are not counted.
    At world size 1 the OneBitAllReduce is inactive (no padding, no server chunk, no byte
    buffers), so the buffers are also computed from the class's sizing rules for n = 2, 8 and 64
@@ -60,8 +60,7 @@ import time
 import torch
 from rich.table import Table
 
-from zoa_train.comm.onebit import onebit_layout
-from zoa_train.comm.packing import BLOCK
+from zoa_train.comm.onebit import onebit_buffers
 from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
@@ -69,7 +68,7 @@ WARMUP_STEPS = 3  # step 0 of ours is a variance / warm-up step; the next two wa
 TARGET_LOCAL_VS_ADAMW = 1.3
 ANALYTIC_WORLD_SIZES = (1, 2, 8, 64)
 STATE_KEYS = ("_worker", "_server")  # OneBitAllReduce buffers that carry error across calls
-WORKSPACE_KEYS = ("_send", "_recv", "_gathered", "_mine", "_work")
+WORKSPACE_KEYS = ("_send", "_recv", "_gathered", "_mine", "_flags", "_flag_bytes", "_words", "_index", "_tables", "_server_coef")
 
 
 def model_shapes(params_millions: float) -> tuple[list[tuple[str, tuple[int, ...]]], dict]:
@@ -108,26 +107,9 @@ def model_shapes(params_millions: float) -> tuple[list[tuple[str, tuple[int, ...
 
 
 def onebit_allreduce_bytes(numel: int, world_size: int) -> dict[str, int]:
-    """Bytes of each buffer a OneBitAllReduce of `numel` elements allocates on `world_size` ranks.
-
-    The sizing rules of zoa_train.comm.onebit: padded = ceil(N/(8n))*8n, worker = padded fp32,
-    server = padded/n fp32, segment = padded/(8n) + 4 bytes (packed signs and an fp32 scale),
-    send/recv/gathered = n segments each, mine = one segment, work = min(BLOCK, padded) fp32.
-    At n = 1 it is inactive: the worker buffer has N elements and the others are empty.
-    """
-    n = world_size
-    padded, chunk, segment = onebit_layout(numel, n)
-    if padded == 0:
-        return {"_worker": 4 * numel, "_server": 0, "_send": 0, "_recv": 0, "_gathered": 0, "_mine": 0, "_work": 0}
-    return {
-        "_worker": 4 * padded,
-        "_server": 4 * chunk,
-        "_send": n * segment,
-        "_recv": n * segment,
-        "_gathered": n * segment,
-        "_mine": segment,
-        "_work": 4 * min(max(8, BLOCK // 8 * 8), padded),
-    }
+    """Bytes of each buffer a OneBitAllReduce of `numel` elements allocates on `world_size` ranks
+    (on CPU, default block size), from the same sizing rules the class allocates by."""
+    return {name: size * dtype.itemsize for name, (size, dtype) in onebit_buffers(numel, world_size).items()}
 
 
 def run_optimizer_bench(params_millions: float = 25.0, repeats: int = 10, threads: int | None = None) -> dict:
@@ -194,7 +176,7 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
 
     zero_one = optimizers["ZeroOneAdam local"]
     comm = zero_one._comms[0]
-    measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for key in STATE_KEYS + WORKSPACE_KEYS}
+    measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for key in STATE_KEYS + WORKSPACE_KEYS if hasattr(comm, key)}
     analytic = [_analytic_row(numel, n) for n in ANALYTIC_WORLD_SIZES]
     return {
         "threads": threads,
@@ -275,8 +257,8 @@ def _held_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
     workspace = 0
     for comm in opt._comms:
         if comm is not None:
-            state += sum(size(getattr(comm, key)) for key in STATE_KEYS)
-            workspace += sum(size(getattr(comm, key)) for key in WORKSPACE_KEYS)
+            state += sum(size(getattr(comm, key)) for key in STATE_KEYS if hasattr(comm, key))
+            workspace += sum(size(getattr(comm, key)) for key in WORKSPACE_KEYS if hasattr(comm, key))
     return state, workspace
 
 
@@ -284,8 +266,8 @@ def _analytic_row(numel: int, n: int) -> dict:
     """Buffers at world size n: ZeroOneAdam has three flat buffers (m, denominator, anchor) and
     OneBitAdam two (m, denominator), each plus one OneBitAllReduce of the whole model."""
     comm = onebit_allreduce_bytes(numel, n)
-    onebit_state = sum(comm[key] for key in STATE_KEYS)
-    workspace = sum(comm[key] for key in WORKSPACE_KEYS)
+    onebit_state = sum(comm.get(key, 0) for key in STATE_KEYS)
+    workspace = sum(comm.get(key, 0) for key in WORKSPACE_KEYS)
     state = 3 * 4 * numel + onebit_state
     return {
         "world_size": n,

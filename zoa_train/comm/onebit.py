@@ -1,42 +1,114 @@
 """Error-compensated 1-bit allreduce (docs/zero-one-adam.md, "1-bit allreduce").
 
-Two passes over a flat buffer padded to a multiple of 8*n:
-  worker  y = x + e_w; send sign(y) and s_w = RMS(y); e_w <- y - s_w*sign(y)
-  pass 1  all_to_all: rank j gets chunk j of every rank's signs and their scales
-  server  c = mean_i(s_i*sign_i) + e_s; send sign(c) and s_s = RMS(c); e_s <- c - s_s*sign(c)
+Two passes over a flat buffer padded to n equal chunks, each chunk cut into rows of at most
+SCALE_ROW elements with one scale per row (the spec's "finer scales per block"):
+  worker  y = x + e_w; per row send sign(y) and s = RMS(y); e_w <- y - s*sign(y)
+  pass 1  all_to_all: rank j gets chunk j of every rank's signs and their row scales
+  server  c = mean_i(s_i*sign_i) + e_s; per row send sign(c) and s = RMS(c); e_s <- c - s*sign(c)
   pass 2  all_gather of the server signs and scales; every rank unpacks the same average
-Each segment on the wire is the packed signs of one chunk followed by its fp32 scale, so a call is
-exactly two collectives. Padding carries no value: it is excluded from the scales and its error
-is kept at zero, so the result does not depend on how much padding a world size needs.
+Each segment on the wire is the packed signs of one chunk followed by its fp32 row scales, so a
+call is exactly two collectives. Padding carries no value: it is excluded from the scales and
+its error is kept at zero, so the result does not depend on how much padding a world size needs.
 
-Speed: the residual e <- y - s*sign(y) needs s, which needs all of y, so done eagerly it costs a
-second pass over memory. Instead each buffer keeps y and the signs and scale it sent, and the
-subtraction is folded into the next call's single pass (the signs are read back from the send
-buffers, which the collectives leave untouched). `worker_error`, `server_error` and the state
-dict give the materialised errors.
+Speed: a row's scale needs only that row, so the whole worker (and server) step -- add the input,
+scale, residual, pack -- is one pass over memory, block by block while each block is in cache,
+and the error buffers always hold the errors themselves. Per-row scales also follow the
+magnitude of each part of the buffer (layers differ by orders of magnitude), so one call's error
+is lower than with one scale per chunk; they cost 4 bytes per SCALE_ROW/8 bytes of signs (0.05%).
 """
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from zoa_train.comm.collectives import default_ledger, group_size_rank
 from zoa_train.comm.ledger import CommLedger
-from zoa_train.comm.packing import BLOCK, pack_signs, unpack_signs
+from zoa_train.comm.packing import BLOCK, pack_flags, unpack_flags, unpack_rows
 
+SCALE_ROW = 1 << 16  # most elements sharing one scale
+# Rows are a multiple of 32 elements, so a chunk's packed signs are a whole number of fp32 words
+# and the scales behind them can be viewed as fp32 in place.
+_ROW_ALIGN = 32
 _SCALE_BYTES = 4
+_DEVICE_BLOCK = 1 << 22  # elements per block on accelerators: few, large kernels
 # torch 2.14 renamed all_gather_into_tensor; keep older releases working.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def onebit_layout(numel: int, world_size: int) -> tuple[int, int, int]:
-    """(padded length, chunk per rank, bytes per wire segment) of a 1-bit allreduce of `numel`
-    elements: padded to a multiple of 8n, a segment is a chunk's packed signs plus its fp32 scale.
-    All zero when there is nothing to send (one rank or no elements)."""
+class OneBitLayout(NamedTuple):
+    """How a 1-bit allreduce of some number of elements is cut up (all zero when inactive)."""
+
+    padded: int  # elements after padding: world_size * chunk
+    chunk: int  # elements per rank's chunk: rows * row
+    rows: int  # scale rows per chunk
+    row: int  # elements per scale row, a multiple of 32
+    segment: int  # bytes of one wire segment: chunk/8 of signs + 4 per row of scales
+
+
+def onebit_layout(numel: int, world_size: int, scale_row: int = SCALE_ROW) -> OneBitLayout:
+    """The layout of a 1-bit allreduce of `numel` elements on `world_size` ranks: chunks of
+    ceil(numel/n) elements rounded up to whole rows of at most `scale_row` elements, rows as
+    equal as possible (so padding stays under 32 elements per row)."""
     if world_size < 2 or numel <= 0:
-        return 0, 0, 0
-    padded = -(-numel // (8 * world_size)) * (8 * world_size)
-    chunk = padded // world_size
-    return padded, chunk, chunk // 8 + _SCALE_BYTES
+        return OneBitLayout(0, 0, 0, 0, 0)
+    need = -(-numel // world_size)
+    rows = -(-need // max(_ROW_ALIGN, scale_row))
+    row = -(-need // (rows * _ROW_ALIGN)) * _ROW_ALIGN
+    chunk = rows * row
+    return OneBitLayout(world_size * chunk, chunk, rows, row, chunk // 8 + _SCALE_BYTES * rows)
+
+
+def onebit_buffers(
+    numel: int,
+    world_size: int,
+    device: torch.device | str = "cpu",
+    block_size: int | None = None,
+    scale_row: int = SCALE_ROW,
+) -> dict[str, tuple[int, torch.dtype]]:
+    """(elements, dtype) of each buffer a OneBitAllReduce allocates: the error buffers `_worker`
+    (y, then e_w; the accumulator) and `_server` (e_s of this rank's chunk), the wire buffers
+    `_send`, `_recv`, `_gathered` (n segments each) and `_mine` (one), and per-block scratch
+    `_flags`, `_flag_bytes`, `_words`, `_index`, `_tables` and `_server_coef`. Inactive (one rank): only a worker buffer of numel."""
+    layout = onebit_layout(numel, world_size, scale_row)
+    if layout.padded == 0:
+        return {"_worker": (max(numel, 0), torch.float32)}
+    block = layout.row * _rows_per_block(layout, torch.device(device), block_size)
+    n, segment = world_size, layout.segment
+    return {
+        "_worker": (layout.padded, torch.float32),
+        "_server": (layout.chunk, torch.float32),
+        "_send": (n * segment, torch.uint8),
+        "_recv": (n * segment, torch.uint8),
+        "_gathered": (n * segment, torch.uint8),
+        "_mine": (segment, torch.uint8),
+        "_flags": (block, torch.float32),
+        "_flag_bytes": (block, torch.uint8),
+        "_words": (block // 8, torch.int64),
+        "_index": (block // 8, torch.int32),
+        "_tables": (block // layout.row * 256 * 8, torch.float32),
+        "_server_coef": ((n + 1) * layout.rows, torch.float32),
+    }
+
+
+class _Block(NamedTuple):
+    """Views of one block of whole rows of a chunk (the same rows in every chunk of a layout)."""
+
+    offset: int  # first element within the chunk
+    values: torch.Tensor  # y (worker) or c (server), 1-D
+    rows: torch.Tensor  # the same, (rows, row)
+    scales: torch.Tensor  # the row scales' place in the wire segment, (rows,)
+    column: torch.Tensor  # the same, (rows, 1)
+    norm: torch.Tensor  # sqrt of the number of real elements of each row
+    signs: torch.Tensor  # the packed signs' place in the wire segment
+    flags: torch.Tensor  # scratch: 1.0 where y >= 0
+    flag_bytes: torch.Tensor  # scratch for packing
+
+
+def _rows_per_block(layout: OneBitLayout, device: torch.device, block_size: int | None) -> int:
+    if block_size is None:
+        block_size = BLOCK if device.type == "cpu" else _DEVICE_BLOCK
+    return min(layout.rows, max(1, block_size // layout.row))
 
 
 class OneBitAllReduce:
@@ -45,7 +117,9 @@ class OneBitAllReduce:
     Owns the worker error (padded length, fp32) and the server error (this rank's chunk, fp32) and
     all communication buffers, allocated once. Math is fp32 whatever the input dtype. With a world
     size of 1, `op` returns its input unchanged and sends nothing, and `exchange` returns the
-    accumulator exactly.
+    accumulator exactly. `block_size` (elements processed per step of a pass; default 512K on
+    CPU, 4M elsewhere) changes speed, never results; `scale_row` is part of the wire format and
+    must be the same on every rank.
     """
 
     def __init__(
@@ -54,37 +128,83 @@ class OneBitAllReduce:
         group=None,
         device: torch.device | str | None = None,
         ledger: CommLedger | None = None,
-        block_size: int = BLOCK,
+        block_size: int | None = None,
+        scale_row: int = SCALE_ROW,
     ):
         self.numel = int(numel)
         self.group = group
         self.world_size, self.rank = group_size_rank(group)
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self.ledger = ledger if ledger is not None else default_ledger()
-        self.block_size = max(8, block_size // 8 * 8)
-        n = self.world_size
-        self.padded_numel, self.chunk, self._segment = onebit_layout(self.numel, n)
-        active = self.padded_numel > 0
-        self._packed_chunk = self.chunk // 8
-        self._chunk_valid = min(max(self.numel - self.rank * self.chunk, 0), self.chunk)
+        self.layout = onebit_layout(self.numel, self.world_size, scale_row)
+        self.padded_numel = self.layout.padded
+        for name, (size, dtype) in onebit_buffers(self.numel, self.world_size, self.device, block_size, scale_row).items():
+            setattr(self, name, torch.zeros(size, dtype=dtype, device=self.device))
+        if self.padded_numel == 0:
+            return
 
-        f32, u8 = dict(dtype=torch.float32, device=self.device), dict(dtype=torch.uint8, device=self.device)
-        # y of the last call (worker) and c of the last call (server); errors once the pending
-        # subtraction of scale*sign is applied.
-        self._worker = torch.zeros(self.padded_numel if active else self.numel, **f32)
-        self._server = torch.zeros(self.chunk, **f32)
-        self._pending = False
-        segments = n * self._segment if active else 0
-        self._send = torch.zeros(segments, **u8)
-        self._recv = torch.empty(segments, **u8)
-        self._gathered = torch.empty(segments, **u8)
-        self._mine = torch.zeros(self._segment if active else 0, **u8)
-        self._work = torch.empty(min(self.block_size, self.padded_numel), **f32)
+        n, chunk, rows, row = self.world_size, self.layout.chunk, self.layout.rows, self.layout.row
+        self._block_rows = _rows_per_block(self.layout, self.device, block_size)
+        self._chunk_valid = [min(max(self.numel - j * chunk, 0), chunk) for j in range(n)]
+        # sqrt of the number of real (non-padding) elements in each row, for the RMS; >= 1.
+        starts = torch.arange(n * rows, dtype=torch.float64) * row
+        row_norm = (self.numel - starts).clamp(1, row).sqrt().to(torch.float32).to(self.device).view(n, rows)
+        send = self._segments(self._send)
+        recv = self._segments(self._recv)
+        gathered = self._segments(self._gathered)
+        (mine,) = self._segments(self._mine)
+        self._recv_scales = [scales for _, scales in recv]
+        # Server coefficients per row: 2*s_i/n for each rank i, then sum_i s_i/n.
+        self._coef = self._server_coef.view(n + 1, rows)
+        # Every view a pass touches, made once: a pass is a few hundred blocks of ~10 ops each,
+        # and slicing inside the loop would cost about as much as the ops.
+        self._worker_blocks = [self._blocks(self._worker[j * chunk : (j + 1) * chunk], *send[j], row_norm[j]) for j in range(n)]
+        self._server_blocks = self._blocks(self._server, *mine, row_norm[self.rank])
+        self._server_terms = [
+            ([(signs[b.offset // 8 : (b.offset + b.values.numel()) // 8], self._coef_rows(b, i)) for i, (signs, _) in enumerate(recv)], self._coef_rows(b, n))
+            for b in self._server_blocks
+        ]
+        self._gathered_blocks = [[self._packed_rows(b, *gathered[j]) for b in self._server_blocks] for j in range(n)]
+
+    def _segments(self, wire: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(packed signs, fp32 row scales) views of each segment of a wire buffer."""
+        packed = self.layout.chunk // 8
+        return [(s[:packed], s[packed:].view(torch.float32)) for s in wire.view(-1, self.layout.segment)]
+
+    def _blocks(self, values: torch.Tensor, signs: torch.Tensor, scales: torch.Tensor, norm: torch.Tensor) -> list[_Block]:
+        row, blocks = self.layout.row, []
+        for first in range(0, self.layout.rows, self._block_rows):
+            last = min(first + self._block_rows, self.layout.rows)
+            offset, length = first * row, (last - first) * row
+            block_scales = scales[first:last]
+            blocks.append(
+                _Block(
+                    offset=offset,
+                    values=values[offset : offset + length],
+                    rows=values[offset : offset + length].view(-1, row),
+                    scales=block_scales,
+                    column=block_scales.unsqueeze(1),
+                    norm=norm[first:last],
+                    signs=signs[offset // 8 : (offset + length) // 8],
+                    flags=self._flags[:length],
+                    flag_bytes=self._flag_bytes[:length],
+                )
+            )
+        return blocks
+
+    def _packed_rows(self, block: _Block, signs: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of `block` in another segment: packed signs (rows, row/8) and scales."""
+        first, length = block.offset // self.layout.row, block.values.numel()
+        return signs[block.offset // 8 : (block.offset + length) // 8].view(-1, self.layout.row // 8), scales[first : first + block.rows.shape[0]]
+
+    def _coef_rows(self, block: _Block, i: int) -> torch.Tensor:
+        first = block.offset // self.layout.row
+        return self._coef[i, first : first + block.rows.shape[0]].unsqueeze(1)
 
     @property
     def bytes_per_call(self) -> int:
         """Bytes this rank sends in one call: (n-1) segments in each pass."""
-        return 2 * (self.world_size - 1) * self._segment if self.padded_numel else 0
+        return 2 * (self.world_size - 1) * self.layout.segment
 
     @property
     def accumulator(self) -> torch.Tensor:
@@ -97,15 +217,13 @@ class OneBitAllReduce:
 
     @property
     def worker_error(self) -> torch.Tensor:
-        """The worker error e_w (padded length), materialised as a new tensor."""
-        if not self._pending:
-            return self._worker.clone()
-        return self._materialised(self._worker, self._sent_signs(), self.numel)
+        """The worker error e_w (padded length), as a new tensor."""
+        return self._worker.clone()
 
     @property
     def server_error(self) -> torch.Tensor:
-        """The server error e_s of this rank's chunk, materialised as a new tensor."""
-        return self._materialised(self._server, self._mine, self._chunk_valid)
+        """The server error e_s of this rank's chunk, as a new tensor."""
+        return self._server.clone()
 
     def op(self, tensor: torch.Tensor) -> torch.Tensor:
         """Average `tensor` in place over the group (error-compensated) and return it."""
@@ -125,82 +243,72 @@ class OneBitAllReduce:
             torch.add(self._worker, addend, out=out) if addend is not None else out.copy_(self._worker)
             self._worker.zero_()
             return out
-        n, chunk, packed_chunk, numel = self.world_size, self.chunk, self._packed_chunk, self.numel
-        send = self._send.view(n, self._segment)
+        n, chunk, numel = self.world_size, self.layout.chunk, self.numel
 
-        # Worker: y = e_w + addend, packed into one segment per destination chunk.
-        def worker_block(start: int, block: torch.Tensor) -> None:
-            stop = min(start + block.numel(), numel)
-            if addend is not None and stop > start:
-                block[: stop - start].add_(addend[start:stop])
-
-        sum_squares = sum(
-            self._fold_and_pack(self._worker, j * chunk, (j + 1) * chunk, send[j], numel, worker_block)
-            for j in range(n)
-        )
-        scale = torch.sqrt(sum_squares / numel)
-        send[:, packed_chunk:].copy_(scale.reshape(1).view(torch.uint8))
+        # Worker: y = e_w + addend, compressed chunk by chunk into the send segments.
+        for j, blocks in enumerate(self._worker_blocks):
+            for block in blocks:
+                start = j * chunk + block.offset
+                stop = min(start + block.values.numel(), numel)
+                if addend is not None and stop > start:
+                    block.values[: stop - start].add_(addend[start:stop])
+                self._compress(block, self._chunk_valid[j])
+            self._zero_padding(self._worker[j * chunk : (j + 1) * chunk], self._chunk_valid[j])
 
         # Pass 1: rank j receives chunk j of everyone.
         dist.all_to_all_single(self._recv, self._send, group=self.group)
 
-        # Server: c = e_s + mean_i(s_i*sign_i) over this rank's chunk, packed.
-        recv = self._recv.view(n, self._segment)
-        scales = recv[:, packed_chunk:].contiguous().view(torch.float32).reshape(n) / n
-
-        def server_block(start: int, block: torch.Tensor) -> None:
-            work = self._work[: block.numel()]
-            for i in range(n):
-                unpack_signs(recv[i, start // 8 : (start + block.numel()) // 8], block.numel(), scales[i], out=work)
-                block.add_(work)
-
-        valid = max(self._chunk_valid, 1)
-        server_scale = torch.sqrt(self._fold_and_pack(self._server, 0, chunk, self._mine, self._chunk_valid, server_block) / valid)
-        self._mine[packed_chunk:].copy_(server_scale.reshape(1).view(torch.uint8))
-        self._pending = True
+        # Server: c = e_s + mean_i(s_i*sign_i) over this rank's chunk, as
+        # c = e_s + sum_i (2*s_i/n)*flag_i - sum_i s_i/n (sign = 2*flag - 1).
+        for i, scales in enumerate(self._recv_scales):
+            torch.mul(scales, 2.0 / n, out=self._coef[i])
+        torch.sum(self._coef[:n], dim=0, out=self._coef[n]).mul_(0.5)
+        valid = self._chunk_valid[self.rank]
+        for block, (terms, mean) in zip(self._server_blocks, self._server_terms):
+            flags = block.flags.view_as(block.rows)
+            for signs, coef in terms:
+                unpack_flags(signs, self._words[: signs.numel()], block.flags)
+                block.rows.addcmul_(flags, coef)
+            block.rows.sub_(mean)
+            self._compress(block, valid)
+        self._zero_padding(self._server, valid)
 
         # Pass 2: everyone gathers every server chunk and unpacks the same average.
         _all_gather_single(self._gathered, self._mine, group=self.group)
-        gathered = self._gathered.view(n, self._segment)
-        server_scales = gathered[:, packed_chunk:].contiguous().view(torch.float32).reshape(n)
-        for j in range(n):
-            first, last = j * chunk, min((j + 1) * chunk, numel)
-            if last > first:
-                unpack_signs(gathered[j, :packed_chunk], last - first, server_scales[j], out=out[first:last])
+        for j, sources in enumerate(self._gathered_blocks):
+            for block, (signs, scales) in zip(self._server_blocks, sources):
+                start = j * chunk + block.offset
+                length = block.values.numel()
+                stop = min(start + length, numel)
+                if stop - start == length:
+                    self._unpack(signs, scales, out[start:stop])
+                elif stop > start:  # the block holding the end of the buffer: keep its real part
+                    out[start:stop].copy_(self._unpack(signs, scales, self._flags[:length])[: stop - start])
 
         self.ledger.record("onebit_allreduce", payload_bits=1, elements=numel, bytes_sent=self.bytes_per_call, calls=2)
         return out
 
-    def _fold_and_pack(self, values, first, last, segment, valid, add_input) -> torch.Tensor:
-        """One pass over values[first:last], block by block while each block is in cache:
-        apply the pending residual (values -= last scale * last signs, read from `segment`),
-        add_input(offset, block), zero what lies past `valid`, pack the signs into `segment`
-        and sum the squares. Returns the sum of squares."""
-        packed, pending_scale = segment[: self._packed_chunk], _scale_of(segment)
-        sum_squares = torch.zeros((), dtype=torch.float32, device=values.device)
-        for start in range(first, last, self.block_size):
-            block = values[start : min(start + self.block_size, last)]
-            signs = packed[(start - first) // 8 : (start - first + block.numel()) // 8]
-            if self._pending:
-                block.sub_(unpack_signs(signs, block.numel(), pending_scale, out=self._work[: block.numel()]))
-            add_input(start, block)
-            if start + block.numel() > valid:
-                block[max(valid - start, 0) :].zero_()
-            pack_signs(block, out=signs)
-            sum_squares += torch.dot(block, block)
-        return sum_squares
+    def _compress(self, block: _Block, valid: int) -> None:
+        """Compress one block of y in place while it is in cache: zero its padding (past `valid`
+        in the chunk), per row s = RMS into the segment's scales, the signs packed into the
+        segment, and y <- y - s*sign(y)."""
+        if block.offset + block.values.numel() > valid:
+            block.values[max(valid - block.offset, 0) :].zero_()
+        torch.linalg.vector_norm(block.rows, dim=1, out=block.scales).div_(block.norm)
+        torch.ge(block.values, 0, out=block.flags)
+        # y - s*sign(y) with sign = 2*flag - 1: y + s - 2*s*flag
+        block.rows.add_(block.column).addcmul_(block.flags.view_as(block.rows), block.column, value=-2)
+        pack_flags(block.flags, block.flag_bytes, block.signs)
 
-    def _sent_signs(self) -> torch.Tensor:
-        """The worker's last packed signs as one contiguous run, with the scale appended."""
-        send = self._send.view(self.world_size, self._segment)
-        return torch.cat([send[:, : self._packed_chunk].reshape(-1), send[0, self._packed_chunk :]])
+    def _zero_padding(self, values: torch.Tensor, valid: int) -> None:
+        """The padding's error stays zero (the residual left -s there)."""
+        if valid < values.numel():
+            values[valid:].zero_()
 
-    def _materialised(self, values: torch.Tensor, segment: torch.Tensor, valid: int) -> torch.Tensor:
-        error = values.clone()
-        if self._pending:
-            error -= unpack_signs(segment[:-_SCALE_BYTES], error.numel(), _scale_of(segment))
-            error[valid:] = 0
-        return error
+    def _unpack(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        rows = scales.numel()
+        unpack_rows(signs, scales, out, self._index[: signs.numel()], self._tables[: rows * 256 * 8])
+        return out
 
     def state_dict(self) -> dict:
         return {
@@ -216,11 +324,7 @@ class OneBitAllReduce:
                 f"1-bit allreduce state is for {state['numel']} elements on {state['world_size']} ranks, "
                 f"this one is for {self.numel} on {self.world_size}"
             )
+        if state["worker_error"].numel() != self.padded_numel and self.padded_numel:
+            raise ValueError("1-bit allreduce state was saved with another layout (an older zoa-train?); it cannot be resumed here")
         self._worker.copy_(state["worker_error"])
         self._server.copy_(state["server_error"])
-        self._pending = False
-
-
-def _scale_of(segment: torch.Tensor) -> torch.Tensor:
-    """The fp32 scale stored in the last 4 bytes of a segment (copied out: the bytes may be unaligned)."""
-    return segment[-_SCALE_BYTES:].clone().view(torch.float32).reshape(())

@@ -2,16 +2,19 @@
 
 Both directions are plain vectorised torch ops (no Python loop over elements), so the same code
 runs on CPU and CUDA. Packing multiplies each group of 8 one-byte flags, read as one int64, by a
-constant that gathers their low bits into the top byte; unpacking is a table lookup of 256 rows
-x 8 values, which also folds in the scale for free.
+constant that gathers their low bits into the top byte; unpacking is a lookup in a table of 256
+rows x 8 values, which also folds in the scale (one scaled table per row of a 2-D unpack).
 """
 
 import torch
 
 # Byte k of the int64 word (value 0 or 1) lands on bit 56 + k of the product.
 _GATHER_BITS = 0x0102040810204080
-BLOCK = 1 << 18  # elements per block (1 MiB of fp32: stays in L2/L3); a multiple of 8
+_SPREAD = 0x0101010101010101  # times a byte value: that byte in all 8 bytes of the int64
+_BIT_K_OF_BYTE_K = 0x8040201008040201 - (1 << 64)  # (as a signed int64)
+BLOCK = 1 << 19  # elements per block on CPU (2 MiB of fp32, in L3; smaller blocks pay more per-op overhead)
 _TABLES: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
+_OFFSETS: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
 
 def sign_table(device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -23,14 +26,35 @@ def sign_table(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
     return _TABLES[key]
 
 
+def pack_flags(flags: torch.Tensor, flag_bytes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Pack float flags (1.0 = sign +1, 0.0 = sign -1; length a multiple of 8) into `out`.
+
+    `flags` is overwritten; `flag_bytes` is uint8 scratch of the same length. A float compare
+    writing 1.0/0.0 is a vectorised kernel (a bool output is not); 1.0 is 0x3F800000, so bits
+    29.. of its int32 view are 0b1.
+    """
+    ints = flags.view(torch.int32)
+    flag_bytes.copy_(ints.bitwise_right_shift_(29))
+    words = flag_bytes.view(torch.int64)
+    words.mul_(_GATHER_BITS).bitwise_right_shift_(56)
+    return out.copy_(words)
+
+
+def unpack_flags(packed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The bits of `packed` as float 1.0 (sign +1) / 0.0 (sign -1) into `out`, 8 per byte, the
+    inverse of pack_flags. `words` is int64 scratch of packed.numel(). Cheaper than a table
+    lookup where the caller combines the flags with its own scales anyway."""
+    words.copy_(packed)
+    words.mul_(_SPREAD).bitwise_and_(_BIT_K_OF_BYTE_K)
+    return torch.ne(words.view(torch.uint8), 0, out=out)
+
+
 def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pack the signs of `x` (flattened) into ceil(len/8) bytes; sign(0) = +1, padding bits are +1."""
     x = x.reshape(-1)
     n = x.numel()
     if out is None:
         out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
-    # Blocks keep the scratch small and in cache. The comparison writes float 1.0/0.0 (a vectorised
-    # kernel, unlike a bool output); 1.0 is 0x3F800000, so bits 29.. of its int32 view are 0b1.
     length = min(BLOCK, (n + 7) // 8 * 8)
     flags = torch.empty(length, dtype=torch.float32, device=x.device)
     flag_bytes = torch.empty(length, dtype=torch.uint8, device=x.device)
@@ -39,13 +63,44 @@ def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor
         length = -(-(stop - start) // 8) * 8
         torch.ge(x[start:stop], 0, out=flags[: stop - start])
         flags[stop - start : length] = 1.0
-        ints = flags[:length].view(torch.int32)
-        block_bytes = flag_bytes[:length]
-        block_bytes.copy_(ints.bitwise_right_shift_(29))
-        words = block_bytes.view(torch.int64)
-        words.mul_(_GATHER_BITS).bitwise_right_shift_(56)
-        out[start // 8 : start // 8 + length // 8].copy_(words)
+        pack_flags(flags[:length], flag_bytes[:length], out[start // 8 : start // 8 + length // 8])
     return out
+
+
+def unpack_rows(
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    out: torch.Tensor,
+    index: torch.Tensor | None = None,
+    tables: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Unpack R rows of signs, each times its own scale, into `out` (R*row elements, row % 8 == 0).
+
+    `packed` holds R*row/8 bytes, `scales` R values. Each row indexes its own scaled copy of the
+    table, so the scale costs a 256x8 multiply per row, not a pass over `out`. `index` (int32,
+    R*row/8) and `tables` (fp32, R*256*8) are optional scratch, for hot loops that should not
+    allocate.
+    """
+    rows = scales.numel()
+    if tables is None:
+        tables = torch.empty(rows * 256 * 8, dtype=torch.float32, device=packed.device)
+    if index is None:
+        index = torch.empty(packed.numel(), dtype=torch.int32, device=packed.device)
+    tables = torch.mul(scales.reshape(rows, 1, 1), sign_table(packed.device), out=tables.view(rows, 256, 8))
+    tables = tables.view(rows * 256, 8).to(out.dtype)
+    index = index.view(rows, -1)
+    index.copy_(packed.view(rows, -1))
+    if rows > 1:
+        index += _row_offsets(rows, packed.device)
+    return torch.index_select(tables, 0, index.view(-1), out=out.view(-1, 8)).view(-1)
+
+
+def _row_offsets(rows: int, device: torch.device) -> torch.Tensor:
+    """Column of 0, 256, 512, ...: row r of a 2-D unpack reads table rows 256r..256r+255."""
+    key = (device, torch.int32)
+    if key not in _OFFSETS or _OFFSETS[key].numel() < rows:
+        _OFFSETS[key] = torch.arange(0, max(rows, 64) * 256, 256, dtype=torch.int32, device=device).unsqueeze(1)
+    return _OFFSETS[key][:rows]
 
 
 def unpack_signs(
@@ -59,15 +114,18 @@ def unpack_signs(
         raise ValueError(f"cannot unpack {n} signs from {packed.numel()} bytes")
     if out is None:
         out = torch.empty(n, dtype=torch.float32, device=packed.device)
-    table = sign_table(packed.device, torch.float32)
-    if not (isinstance(scale, float) and scale == 1.0):
-        table = table * scale
-    direct = out.dtype == torch.float32 and out.is_contiguous()
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=packed.device).reshape(1)
+    index = torch.empty(min(BLOCK, n + 7) // 8, dtype=torch.int32, device=packed.device)
+    tables = torch.empty(256 * 8, dtype=torch.float32, device=packed.device)
     for start in range(0, n, BLOCK):
         stop = min(start + BLOCK, n)
-        index = packed[start // 8 : (stop + 7) // 8].to(torch.int32)
-        if direct and (stop - start) % 8 == 0:
-            torch.index_select(table, 0, index, out=out[start:stop].view(-1, 8))
+        length = -(-(stop - start) // 8) * 8
+        signs = packed[start // 8 : start // 8 + length // 8]
+        scratch = dict(index=index[: length // 8], tables=tables)
+        if length == stop - start and out.is_contiguous():
+            unpack_rows(signs, scale, out[start:stop], **scratch)
         else:
-            out[start:stop].copy_(torch.index_select(table, 0, index).view(-1)[: stop - start])
+            whole = torch.empty(length, dtype=out.dtype, device=out.device)
+            unpack_rows(signs, scale, whole, **scratch)
+            out[start:stop].copy_(whole[: stop - start])
     return out

@@ -10,8 +10,8 @@ Every optimizer's parameters are treated as one flat buffer (the optimizers send
 param group, so a multi-group model pays a little more padding and latency than planned).
 
 Bytes are what one rank sends: ring_allreduce_bytes for full precision, and for a 1-bit call
-2*(n-1) segments of (chunk/8 + 4) bytes (packed signs plus an fp32 scale), chunk = padded/n with
-numel padded to a multiple of 8n, exactly as OneBitAllReduce sends them. Time uses an alpha-beta
+2*(n-1) segments of packed signs plus fp32 row scales, sized by onebit_layout exactly as
+OneBitAllReduce sends them. Time uses an alpha-beta
 model (latency alpha per message, bandwidth beta per rank): a ring allreduce costs
 2(n-1)*alpha + bytes/beta; a 1-bit call is an all-to-all ((n-1)*alpha + its bytes/beta) followed by
 a ring all-gather ((n-1)*alpha + its bytes/beta). With one rank nothing is sent: bytes and time are
@@ -62,9 +62,8 @@ def zero_one_step_kinds(steps: int, lr_schedule: LRSchedule, **schedule_knobs) -
 
 
 def onebit_call_bytes(num_params: int, world_size: int) -> int:
-    """Bytes one rank sends in one OneBitAllReduce call: 2(n-1) segments of chunk/8 + 4 bytes."""
-    _, _, segment = onebit_layout(num_params, world_size)
-    return 2 * (world_size - 1) * segment
+    """Bytes one rank sends in one OneBitAllReduce call: 2(n-1) segments (signs and row scales)."""
+    return 2 * (world_size - 1) * onebit_layout(num_params, world_size).segment
 
 
 def _summary(
