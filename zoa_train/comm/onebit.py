@@ -83,7 +83,7 @@ def onebit_buffers(
         "_gathered": (n * segment, torch.uint8),
         "_mine": (segment, torch.uint8),
         "_flags": (block, torch.float32),
-        "_flag_bytes": (block, torch.uint8),
+        "_flag_bytes": (block, torch.int8),
         "_words": (block // 8, torch.int64),
         "_index": (block // 8, torch.int32),
         "_tables": (block // layout.row * 256 * 8, torch.float32),
@@ -164,7 +164,8 @@ class OneBitAllReduce:
             ([(signs[b.offset // 8 : (b.offset + b.values.numel()) // 8], self._coef_rows(b, i)) for i, (signs, _) in enumerate(recv)], self._coef_rows(b, n))
             for b in self._server_blocks
         ]
-        self._gathered_blocks = [[self._packed_rows(b, *gathered[j]) for b in self._server_blocks] for j in range(n)]
+        # This rank's own chunk is unpacked from its own segment, while the all-gather runs.
+        self._gathered_blocks = [[self._packed_rows(b, *(mine if j == self.rank else gathered[j])) for b in self._server_blocks] for j in range(n)]
 
     def _segments(self, wire: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(packed signs, fp32 row scales) views of each segment of a wire buffer."""
@@ -274,9 +275,12 @@ class OneBitAllReduce:
         self._zero_padding(self._server, valid)
 
         # Pass 2: everyone gathers every server chunk and unpacks the same average.
-        _all_gather_single(self._gathered, self._mine, group=self.group)
-        for j, sources in enumerate(self._gathered_blocks):
-            for block, (signs, scales) in zip(self._server_blocks, sources):
+        gather = _all_gather_single(self._gathered, self._mine, group=self.group, async_op=True)
+        for j in [self.rank] + [j for j in range(n) if j != self.rank]:
+            if j != self.rank and gather is not None:
+                gather.wait()
+                gather = None
+            for block, (signs, scales) in zip(self._server_blocks, self._gathered_blocks[j]):
                 start = j * chunk + block.offset
                 length = block.values.numel()
                 stop = min(start + length, numel)
