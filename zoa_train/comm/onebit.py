@@ -12,9 +12,12 @@ its error is kept at zero, so the result does not depend on how much padding a w
 
 Speed: a row's scale needs only that row, so the whole worker (and server) step -- add the input,
 scale, residual, pack -- is one pass over memory, block by block while each block is in cache,
-and the error buffers always hold the errors themselves. Per-row scales also follow the
-magnitude of each part of the buffer (layers differ by orders of magnitude), so one call's error
-is lower than with one scale per chunk; they cost 4 bytes per SCALE_ROW/8 bytes of signs (0.05%).
+and the error buffers always hold the errors themselves. The server adds each rank's term as
+flags times a per-row coefficient (sign = 2*flag - 1), cheaper than a table lookup; the output is
+a table lookup with the row's scale folded into the table, this rank's own chunk unpacked while
+the all-gather runs. Per-row scales also follow the magnitude of each part of the buffer (layers
+differ by orders of magnitude), so small layers are not drowned by a large layer's scale; they
+cost 4 bytes per SCALE_ROW/8 bytes of signs (0.05%).
 """
 
 from typing import NamedTuple
