@@ -147,7 +147,7 @@ def bench_comm(
     sizes: Annotated[str, typer.Option(help="Comma-separated element counts (k, M, G suffixes). [default: 1M,16M,64M]")] = "1M,16M,64M",
     nproc: Annotated[int, typer.Option(help="Local ranks to start. [default: 2]")] = 2,
     backend: Annotated[str, typer.Option(help="gloo or nccl. [default: nccl with CUDA, else gloo]")] = "",
-    repeats: Annotated[int, typer.Option(help="Timed repeats after warm-up; the median is reported. [default: 5]")] = 5,
+    repeats: Annotated[int, typer.Option(help="Timed repeats after warm-up; the median is reported. [default: 9]")] = 9,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
     """Time torch.distributed.all_reduce (fp32) against OneBitAllReduce on the same tensors."""
