@@ -8,6 +8,7 @@
 """
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -150,9 +151,12 @@ def bench_comm(
     repeats: Annotated[int, typer.Option(help="Timed repeats after warm-up; the median is reported. [default: 9]")] = 9,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
-    """Time torch.distributed.all_reduce (fp32) against OneBitAllReduce on the same tensors."""
+    """Time torch.distributed.all_reduce (fp32) against OneBitAllReduce on the same tensors.
+
+    Started by torchrun or srun, it runs as one of their ranks (--nproc is then theirs) and rank 0
+    prints; scripts/shaped_link.sh uses this to put the ranks on an emulated network link."""
     from zoa_train.bench.comm import FEEDBACK_CALLS, parse_size, rank_main
-    from zoa_train.distributed import launch_local
+    from zoa_train.distributed import cluster_environment, launch_local
 
     try:
         numels = [parse_size(s) for s in sizes.split(",") if s.strip()]
@@ -164,7 +168,13 @@ def bench_comm(
         fail("--repeats must be at least 1.")
     if backend not in ("", "gloo", "nccl"):
         fail(f"--backend must be gloo or nccl, not {backend!r}.")
-    rows = launch_local(rank_main, nproc, numels, repeats, backend or None, nproc)[0]
+    if cluster_environment() is None:
+        rows = launch_local(rank_main, nproc, numels, repeats, backend or None)[0]
+    else:
+        rows = rank_main(numels, repeats, backend or None)
+        if rows is None:  # not rank 0
+            return
+        nproc = int(os.environ["WORLD_SIZE"])
     result = {"nproc": nproc, "backend": backend or "default", "repeats": repeats, "results": rows}
     if as_json:
         print(json.dumps(result))

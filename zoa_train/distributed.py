@@ -88,5 +88,9 @@ def launch_local(entrypoint, nproc: int, *args):
 
 
 def threads_per_rank(nproc: int) -> int:
-    """CPU threads each local rank should use so that ranks do not oversubscribe the cores."""
+    """CPU threads each of `nproc` local ranks should use so that they do not oversubscribe the
+    cores; an explicit OMP_NUM_THREADS (torchrun sets 1 when it starts several ranks) wins."""
+    explicit = os.environ.get("OMP_NUM_THREADS", "")
+    if explicit.isdigit() and int(explicit) > 0:
+        return int(explicit)
     return max(1, (os.cpu_count() or 1) // nproc)
