@@ -66,6 +66,11 @@ def test_gpt2_tiny_runs_end_to_end_and_resumes_exactly(tmp_path, cache_dir):
     auto = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), "--resume", "auto", *knobs)
     assert auto.returncode == 0, auto.stderr[-3000:]
 
+    # Another optimizer cannot take over this state: one sentence, exit 2.
+    other = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(tmp_path / "third"), "--resume", str(first / "checkpoints" / "step_00000004"),
+                *knobs, "--set", "optimizer.name=onebit_adam")
+    assert other.returncode == 2 and "cannot resume from" in other.stderr and "Traceback" not in other.stderr, other.stderr[-3000:]
+
 
 @pytest.mark.parametrize("optimizer", ["adam", "onebit_adam"])
 def test_bert_tiny_runs_with_the_baselines(tmp_path, cache_dir, optimizer):

@@ -272,7 +272,10 @@ class Trainer:
         mine = torch.load(path / f"rank_{self.rank:05d}.pt", map_location=self.device, weights_only=False)
         if "model" in mine:
             self.model.load_state_dict(mine["model"])
-        self.optimizer.load_state_dict(mine["optimizer"])
+        try:
+            self.optimizer.load_state_dict(mine["optimizer"])
+        except ValueError as e:  # another optimizer, model size or 1-bit layout
+            raise UserError(f"cannot resume from {path}: {e}.") from None
         self.loader.load_state_dict(mine["loader"])
         torch.set_rng_state(mine["rng"]["torch"].cpu())
         if mine["rng"]["cuda"] is not None and torch.cuda.is_available():
