@@ -2,7 +2,8 @@
 
 Needs root and iproute2 (network namespaces, a veth pair, a tc token-bucket filter); skipped
 without them. On a 100 Mbit/s link the fp32 allreduce of 1M elements moves 4 MB per rank, the
-1-bit one 131 kB, so the 1-bit call must win by far more than any CPU noise could hide.
+1-bit one 131 kB (within the filter's burst), so the 1-bit call must win by far more than any CPU
+noise could hide.
 """
 
 import json
@@ -43,8 +44,8 @@ def test_onebit_allreduce_beats_fp32_on_a_100mbit_link():
     (row,) = result["results"]
     assert result["nproc"] == 2 and row["numel"] == 1 << 20
     assert row["fp32_bytes_per_rank"] == 4 << 20 and row["onebit_bytes_per_rank"] < (4 << 20) / 30
-    # 4 MB at 100 Mbit/s is at least 0.33 s whatever the CPU does
-    assert row["allreduce_fp32_s"] > 0.3
+    # 4 MB at 100 Mbit/s, less the filter's 1 MB burst, is at least 0.24 s whatever the CPU does
+    assert row["allreduce_fp32_s"] > 0.2
     assert row["speedup"] > 5
 
 
