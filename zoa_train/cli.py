@@ -153,8 +153,7 @@ def bench_comm(
 ) -> None:
     """Time torch.distributed.all_reduce (fp32) against OneBitAllReduce on the same tensors.
 
-    Started by torchrun or srun, it runs as one of their ranks (--nproc is then theirs) and rank 0
-    prints; scripts/shaped_link.sh uses this to put the ranks on an emulated network link."""
+    Started by torchrun or srun, it runs as one of their ranks (--nproc is then theirs) and rank 0 prints; scripts/shaped_link.sh uses this to put the ranks on an emulated network link."""
     from zoa_train.bench.comm import FEEDBACK_CALLS, parse_size, rank_main
     from zoa_train.distributed import cluster_environment, launch_local
 
