@@ -1,6 +1,5 @@
 """Multi-process properties of the three optimizers (Gloo on CPU)."""
 
-import os
 
 import pytest
 import torch

@@ -87,10 +87,12 @@ def launch_local(entrypoint, nproc: int, *args):
     return [results[rank] for rank in range(nproc)]
 
 
-def threads_per_rank(nproc: int) -> int:
-    """CPU threads each of `nproc` local ranks should use so that they do not oversubscribe the
-    cores; an explicit OMP_NUM_THREADS (torchrun sets 1 when it starts several ranks) wins."""
+def threads_per_rank(world_size: int) -> int:
+    """CPU threads each rank on this machine should use so that the ranks do not oversubscribe
+    the cores: an explicit OMP_NUM_THREADS (torchrun sets 1 when it starts several ranks) wins,
+    else the cores are shared among LOCAL_WORLD_SIZE ranks (`world_size` when it is not set)."""
     explicit = os.environ.get("OMP_NUM_THREADS", "")
     if explicit.isdigit() and int(explicit) > 0:
         return int(explicit)
-    return max(1, (os.cpu_count() or 1) // nproc)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    return max(1, (os.cpu_count() or 1) // local)

@@ -5,7 +5,6 @@ Each size reports the median time of each collective, their ratio, the relative 
 of packing plus unpacking next to a plain torch.add of the same size (the bandwidth limit here).
 """
 
-import os
 import statistics
 import time
 
@@ -83,7 +82,7 @@ def _timed(fn, device) -> float:
 def rank_main(sizes: list[int], repeats: int, backend: str | None) -> list[dict] | None:
     """Body of one rank; rank 0 returns the rows."""
     device = init_process_group(backend)
-    torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
+    torch.set_num_threads(threads_per_rank(dist.get_world_size()))
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for numel in sizes:

@@ -176,7 +176,7 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
 
     zero_one = optimizers["ZeroOneAdam local"]
     comm = zero_one._comms[0]
-    measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for key in STATE_KEYS + WORKSPACE_KEYS if hasattr(comm, key)}
+    measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for key in STATE_KEYS + WORKSPACE_KEYS}
     analytic = [_analytic_row(numel, n) for n in ANALYTIC_WORLD_SIZES]
     return {
         "threads": threads,
@@ -257,8 +257,8 @@ def _held_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
     workspace = 0
     for comm in opt._comms:
         if comm is not None:
-            state += sum(size(getattr(comm, key)) for key in STATE_KEYS if hasattr(comm, key))
-            workspace += sum(size(getattr(comm, key)) for key in WORKSPACE_KEYS if hasattr(comm, key))
+            state += sum(size(getattr(comm, key)) for key in STATE_KEYS)
+            workspace += sum(size(getattr(comm, key)) for key in WORKSPACE_KEYS)
     return state, workspace
 
 
@@ -266,8 +266,8 @@ def _analytic_row(numel: int, n: int) -> dict:
     """Buffers at world size n: ZeroOneAdam has three flat buffers (m, denominator, anchor) and
     OneBitAdam two (m, denominator), each plus one OneBitAllReduce of the whole model."""
     comm = onebit_allreduce_bytes(numel, n)
-    onebit_state = sum(comm.get(key, 0) for key in STATE_KEYS)
-    workspace = sum(comm.get(key, 0) for key in WORKSPACE_KEYS)
+    onebit_state = sum(comm[key] for key in STATE_KEYS)
+    workspace = sum(comm[key] for key in WORKSPACE_KEYS)
     state = 3 * 4 * numel + onebit_state
     return {
         "world_size": n,

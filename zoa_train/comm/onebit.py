@@ -72,16 +72,16 @@ def onebit_buffers(
     scale_row: int = SCALE_ROW,
 ) -> dict[str, tuple[int, torch.dtype]]:
     """(elements, dtype) of each buffer a OneBitAllReduce allocates: the error buffers `_worker`
-    (y, then e_w; the accumulator) and `_server` (e_s of this rank's chunk), the wire buffers
-    `_send`, `_recv`, `_gathered` (n segments each) and `_mine` (one), and per-block scratch
-    `_flags`, `_flag_bytes`, `_words`, `_index`, `_tables` and `_server_coef`. Inactive (one rank): only a worker buffer of numel."""
+    (e_w, also the accumulator) and `_server` (e_s of this rank's chunk), the wire buffers `_send`,
+    `_recv`, `_gathered` (n segments each) and `_mine` (one), the per-block scratch `_flags`,
+    `_flag_bytes`, `_words`, `_index` and `_tables`, and the per-row `_server_coef`. Inactive
+    (one rank or no elements): a worker buffer of numel and all others empty."""
     layout = onebit_layout(numel, world_size, scale_row)
-    if layout.padded == 0:
-        return {"_worker": (max(numel, 0), torch.float32)}
-    block = layout.row * _rows_per_block(layout, torch.device(device), block_size)
+    active = layout.padded > 0
+    block = layout.row * _rows_per_block(layout, torch.device(device), block_size) if active else 0
     n, segment = world_size, layout.segment
     return {
-        "_worker": (layout.padded, torch.float32),
+        "_worker": (layout.padded if active else max(numel, 0), torch.float32),
         "_server": (layout.chunk, torch.float32),
         "_send": (n * segment, torch.uint8),
         "_recv": (n * segment, torch.uint8),
@@ -91,7 +91,7 @@ def onebit_buffers(
         "_flag_bytes": (block, torch.int8),
         "_words": (block // 8, torch.int64),
         "_index": (block // 8, torch.int32),
-        "_tables": (block // layout.row * 256 * 8, torch.float32),
+        "_tables": (block // layout.row * 256 * 8 if active else 0, torch.float32),
         "_server_coef": ((n + 1) * layout.rows, torch.float32),
     }
 
@@ -108,6 +108,7 @@ class _Block(NamedTuple):
     signs: torch.Tensor  # the packed signs' place in the wire segment
     flags: torch.Tensor  # scratch: 1.0 where y >= 0
     flag_bytes: torch.Tensor  # scratch for packing
+    padding: torch.Tensor | None  # the part past the chunk's real elements, if any
 
 
 def _rows_per_block(layout: OneBitLayout, device: torch.device, block_size: int | None) -> int:
@@ -150,7 +151,7 @@ class OneBitAllReduce:
 
         n, chunk, rows, row = self.world_size, self.layout.chunk, self.layout.rows, self.layout.row
         self._block_rows = _rows_per_block(self.layout, self.device, block_size)
-        self._chunk_valid = [min(max(self.numel - j * chunk, 0), chunk) for j in range(n)]
+        chunk_valid = [min(max(self.numel - j * chunk, 0), chunk) for j in range(n)]
         # sqrt of the number of real (non-padding) elements in each row, for the RMS; >= 1.
         starts = torch.arange(n * rows, dtype=torch.float64) * row
         row_norm = (self.numel - starts).clamp(1, row).sqrt().to(torch.float32).to(self.device).view(n, rows)
@@ -163,8 +164,10 @@ class OneBitAllReduce:
         self._coef = self._server_coef.view(n + 1, rows)
         # Every view a pass touches, made once: a pass is a few hundred blocks of ~10 ops each,
         # and slicing inside the loop would cost about as much as the ops.
-        self._worker_blocks = [self._blocks(self._worker[j * chunk : (j + 1) * chunk], *send[j], row_norm[j]) for j in range(n)]
-        self._server_blocks = self._blocks(self._server, *mine, row_norm[self.rank])
+        self._worker_blocks = [
+            self._blocks(self._worker[j * chunk : (j + 1) * chunk], *send[j], row_norm[j], chunk_valid[j]) for j in range(n)
+        ]
+        self._server_blocks = self._blocks(self._server, *mine, row_norm[self.rank], chunk_valid[self.rank])
         self._server_terms = [
             ([(signs[b.offset // 8 : (b.offset + b.values.numel()) // 8], self._coef_rows(b, i)) for i, (signs, _) in enumerate(recv)], self._coef_rows(b, n))
             for b in self._server_blocks
@@ -177,7 +180,7 @@ class OneBitAllReduce:
         packed = self.layout.chunk // 8
         return [(s[:packed], s[packed:].view(torch.float32)) for s in wire.view(-1, self.layout.segment)]
 
-    def _blocks(self, values: torch.Tensor, signs: torch.Tensor, scales: torch.Tensor, norm: torch.Tensor) -> list[_Block]:
+    def _blocks(self, values: torch.Tensor, signs: torch.Tensor, scales: torch.Tensor, norm: torch.Tensor, valid: int) -> list[_Block]:
         row, blocks = self.layout.row, []
         for first in range(0, self.layout.rows, self._block_rows):
             last = min(first + self._block_rows, self.layout.rows)
@@ -194,6 +197,7 @@ class OneBitAllReduce:
                     signs=signs[offset // 8 : (offset + length) // 8],
                     flags=self._flags[:length],
                     flag_bytes=self._flag_bytes[:length],
+                    padding=values[max(valid, offset) : offset + length] if offset + length > valid else None,
                 )
             )
         return blocks
@@ -258,8 +262,7 @@ class OneBitAllReduce:
                 stop = min(start + block.values.numel(), numel)
                 if addend is not None and stop > start:
                     block.values[: stop - start].add_(addend[start:stop])
-                self._compress(block, self._chunk_valid[j])
-            self._zero_padding(self._worker[j * chunk : (j + 1) * chunk], self._chunk_valid[j])
+                self._compress(block)
 
         # Pass 1: rank j receives chunk j of everyone.
         dist.all_to_all_single(self._recv, self._send, group=self.group)
@@ -269,50 +272,49 @@ class OneBitAllReduce:
         for i, scales in enumerate(self._recv_scales):
             torch.mul(scales, 2.0 / n, out=self._coef[i])
         torch.sum(self._coef[:n], dim=0, out=self._coef[n]).mul_(0.5)
-        valid = self._chunk_valid[self.rank]
         for block, (terms, mean) in zip(self._server_blocks, self._server_terms):
             flags = block.flags.view_as(block.rows)
             for signs, coef in terms:
                 unpack_flags(signs, self._words[: signs.numel()], block.flags)
                 block.rows.addcmul_(flags, coef)
             block.rows.sub_(mean)
-            self._compress(block, valid)
-        self._zero_padding(self._server, valid)
+            self._compress(block)
 
         # Pass 2: everyone gathers every server chunk and unpacks the same average.
         gather = _all_gather_single(self._gathered, self._mine, group=self.group, async_op=True)
-        for j in [self.rank] + [j for j in range(n) if j != self.rank]:
-            if j != self.rank and gather is not None:
-                gather.wait()
-                gather = None
-            for block, (signs, scales) in zip(self._server_blocks, self._gathered_blocks[j]):
-                start = j * chunk + block.offset
-                length = block.values.numel()
-                stop = min(start + length, numel)
-                if stop - start == length:
-                    self._unpack(signs, scales, out[start:stop])
-                elif stop > start:  # the block holding the end of the buffer: keep its real part
-                    out[start:stop].copy_(self._unpack(signs, scales, self._flags[:length])[: stop - start])
+        self._unpack_chunk(self.rank, out)  # from its own segment, while the all-gather runs
+        gather.wait()
+        for j in range(n):
+            if j != self.rank:
+                self._unpack_chunk(j, out)
 
         self.ledger.record("onebit_allreduce", payload_bits=1, elements=numel, bytes_sent=self.bytes_per_call, calls=2)
         return out
 
-    def _compress(self, block: _Block, valid: int) -> None:
-        """Compress one block of y in place while it is in cache: zero its padding (past `valid`
-        in the chunk), per row s = RMS into the segment's scales, the signs packed into the
-        segment, and y <- y - s*sign(y)."""
-        if block.offset + block.values.numel() > valid:
-            block.values[max(valid - block.offset, 0) :].zero_()
+    def _compress(self, block: _Block) -> None:
+        """Compress one block of y in place while it is in cache: per row s = RMS into the
+        segment's scales, the signs packed into the segment, and y <- y - s*sign(y). Padding
+        counts as zero and its error stays zero."""
+        if block.padding is not None:
+            block.padding.zero_()
         torch.linalg.vector_norm(block.rows, dim=1, out=block.scales).div_(block.norm)
         torch.ge(block.values, 0, out=block.flags)
         # y - s*sign(y) with sign = 2*flag - 1: y + s - 2*s*flag
         block.rows.add_(block.column).addcmul_(block.flags.view_as(block.rows), block.column, value=-2)
         pack_flags(block.flags, block.flag_bytes, block.signs)
+        if block.padding is not None:
+            block.padding.zero_()  # the residual left -s there
 
-    def _zero_padding(self, values: torch.Tensor, valid: int) -> None:
-        """The padding's error stays zero (the residual left -s there)."""
-        if valid < values.numel():
-            values[valid:].zero_()
+    def _unpack_chunk(self, j: int, out: torch.Tensor) -> None:
+        """Write server chunk j's average into its part of `out` (which holds numel elements)."""
+        for block, (signs, scales) in zip(self._server_blocks, self._gathered_blocks[j]):
+            start = j * self.layout.chunk + block.offset
+            length = block.values.numel()
+            stop = min(start + length, self.numel)
+            if stop - start == length:
+                self._unpack(signs, scales, out[start:stop])
+            elif stop > start:  # the block holding the end of the buffer: keep its real part
+                out[start:stop].copy_(self._unpack(signs, scales, self._flags[:length])[: stop - start])
 
     def _unpack(self, signs: torch.Tensor, scales: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rows = scales.numel()

@@ -11,8 +11,8 @@ param group, so a multi-group model pays a little more padding and latency than 
 
 Bytes are what one rank sends: ring_allreduce_bytes for full precision, and for a 1-bit call
 2*(n-1) segments of packed signs plus fp32 row scales, sized by onebit_layout exactly as
-OneBitAllReduce sends them. Time uses an alpha-beta
-model (latency alpha per message, bandwidth beta per rank): a ring allreduce costs
+OneBitAllReduce sends them. Time uses an alpha-beta model (latency alpha per message, bandwidth
+beta per rank): a ring allreduce costs
 2(n-1)*alpha + bytes/beta; a 1-bit call is an all-to-all ((n-1)*alpha + its bytes/beta) followed by
 a ring all-gather ((n-1)*alpha + its bytes/beta). With one rank nothing is sent: bytes and time are
 zero, while bits, rounds and syncs stay the schedule's nominal counts.

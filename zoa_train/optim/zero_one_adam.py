@@ -12,9 +12,9 @@ w is the paper's u divided by the shared denominator denom = sqrt(v)+eps: the sa
 between syncs, so averaging w is averaging u, and with an exact allreduce this is Algorithm 1 to
 the last bit of rounding. What changes is what the 1-bit compressor sees: a displacement, whose
 coordinates are all of Adam's O(lr) size, instead of u, whose coordinates span the range of the
-gradients. One scale per row of 512K coordinates then fits every coordinate, whereas compressing u gives a
-rarely-active coordinate (small v) noise of the average size, which the division by its small
-denom turns into a large step; on small models this diverged in our tests.
+gradients. One scale per row of 512K coordinates then fits every coordinate, whereas compressing
+u gives a rarely-active coordinate (small v) noise of the average size, which the division by its
+small denom turns into a large step; on small models this diverged in our tests.
 x_anchor (x after the last sync), w_bar and denom are identical on every rank, so x and m are
 bit-identical after every sync. Weight decay is decoupled: the local steps apply it to x, and the
 sync applies the product of the (1 - lr*wd) factors since the anchor; it never enters u or m.

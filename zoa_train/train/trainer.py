@@ -14,7 +14,6 @@ averaged in full precision, and a global norm would cost a full-precision allred
 
 import contextlib
 import logging
-import os
 import random
 import shutil
 import time
@@ -72,7 +71,7 @@ class Trainer:
         t, o = recipe.train, recipe.optimizer
         self.device = init_process_group(None if t.backend == "auto" else t.backend)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        torch.set_num_threads(threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", self.world))))
+        torch.set_num_threads(threads_per_rank(self.world))
         self.accum = check_batch_layout(recipe, self.world)
         self.is_main = self.rank == 0
 
