@@ -4,7 +4,7 @@ import torch
 from distributed_harness import run_ranks
 from reference import onebit_allreduce_reference
 from zoa_train.comm import CommLedger, OneBitAllReduce, allreduce, onebit_layout, pack_signs, unpack_signs
-from zoa_train.comm.onebit import SCALE_ROW
+from zoa_train.comm.onebit import SCALE_ROW, onebit_buffers
 
 # (name, numel, dtype, zeros)
 CASES = [
@@ -143,6 +143,27 @@ def test_ledger_totals_for_a_known_sequence():
     assert step3.bits_per_param == 32 + 16 * 0.5
     assert step3.bytes_sent == 1000 * 4 + 500 * 2  # ring allreduce on 2 ranks sends N*size bytes
     assert summary == {"steps": 3, "bits_per_param": (1 + 0 + 40) / 3, "rounds": 2, "bytes_sent": 136 + 5000, "collective_calls": 4}
+
+
+def _allocated(rank, world_size, numel):
+    comm = OneBitAllReduce(numel, ledger=CommLedger(num_params=numel))
+    return {name: getattr(comm, name).numel() * getattr(comm, name).element_size() for name in onebit_buffers(numel, world_size)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_buffer_sizes_follow_the_layout(world_size):
+    # bench optim counts memory from onebit_buffers: what an instance holds, in bytes.
+    numel = 3 * SCALE_ROW + 1001
+    held = run_ranks(_allocated, world_size, numel)[0] if world_size > 1 else _allocated(0, 1, numel)
+    if world_size == 1:  # inactive: the accumulator only
+        assert held["_worker"] == 4 * numel and all(size == 0 for name, size in held.items() if name != "_worker")
+        return
+    layout = onebit_layout(numel, world_size)
+    per_rank = -(-numel // 2)  # 1.5 rows of SCALE_ROW: two equal rows, rounded up to 32
+    assert (layout.rows, layout.row) == (2, -(-per_rank // 64) * 32)
+    assert held["_worker"] == 4 * layout.padded and held["_server"] == 4 * layout.chunk
+    assert held["_send"] == held["_recv"] == held["_gathered"] == 2 * held["_mine"] == 2 * (layout.chunk // 8 + 4 * 2)
+    assert held["_flags"] == 4 * layout.row and held["_server_coef"] == 4 * 3 * 2  # one row per CPU block
 
 
 def test_world_size_one_returns_input_unchanged():

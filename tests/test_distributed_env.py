@@ -1,8 +1,10 @@
 """Cluster-environment detection (no processes started)."""
 
+import os
+
 import pytest
 
-from zoa_train.distributed import cluster_environment, export_slurm_environment, first_slurm_node
+from zoa_train.distributed import cluster_environment, export_slurm_environment, first_slurm_node, threads_per_rank
 
 TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_JOB_NODELIST")
@@ -49,3 +51,16 @@ def test_a_batch_script_outside_srun_is_not_a_rank(clean_env):
 @pytest.mark.parametrize("nodelist,first", [("node1", "node1"), ("a[3-5]", "a3"), ("gpu[012,015],cpu1", "gpu012")])
 def test_first_slurm_node_without_scontrol(nodelist, first):
     assert first_slurm_node(nodelist) == first
+
+
+def test_threads_per_rank_shares_the_cores_unless_told(monkeypatch, clean_env):
+    cores = os.cpu_count() or 1
+    for name in ("OMP_NUM_THREADS", "LOCAL_WORLD_SIZE"):
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    assert threads_per_rank(1) == cores
+    assert threads_per_rank(cores * 4) == 1  # never zero
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")  # one rank on this machine, whatever the world size
+    assert threads_per_rank(64) == cores
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_rank(64) == 3
