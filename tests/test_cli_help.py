@@ -1,5 +1,8 @@
 """Every subcommand answers --help, and --version prints the package version."""
 
+import subprocess
+import sys
+
 import pytest
 from typer.testing import CliRunner
 
@@ -19,3 +22,11 @@ def test_help(command):
 def test_version():
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0 and zoa_train.__version__ in result.output
+
+
+@pytest.mark.parametrize("args", [["run"], ["bench", "optim", "--no-such-option"]], ids=["missing argument", "unknown option"])
+def test_usage_errors_are_one_message_and_exit_code_2(args):
+    # through the console entry point, as a user meets it (not CliRunner, which catches by itself)
+    result = subprocess.run([sys.executable, "-c", "from zoa_train.cli import run; run()", *args], capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert "Error:" in result.stderr and "Traceback" not in result.stderr and "─" not in result.stderr

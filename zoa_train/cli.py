@@ -239,6 +239,10 @@ def bench_loader(
     )
 
 
+# Recent typer releases carry their own copy of click, whose usage errors are not click's.
+_USAGE_ERRORS = (click.ClickException, getattr(typer, "TyperException", click.ClickException))
+
+
 def run() -> None:
     """Console entry point: user errors raised deep inside become one sentence and exit code 2."""
     try:
@@ -247,12 +251,12 @@ def run() -> None:
     except UserError as e:
         Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except click.exceptions.Exit as e:
+    except (click.exceptions.Exit, typer.Exit) as e:
         sys.exit(e.exit_code)
-    except click.ClickException as e:
+    except _USAGE_ERRORS as e:  # a missing argument, an unknown option: click's one message, exit 2
         e.show()
         sys.exit(e.exit_code)
-    except click.exceptions.Abort:
+    except (click.exceptions.Abort, typer.Abort):
         sys.exit(130)
 
 
