@@ -9,47 +9,38 @@ def sign(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 0, 1.0, -1.0)
 
 
-def onebit_allreduce_reference(inputs, worker_errors, server_errors, numel, scale_row):
-    """Emulate one OneBitAllReduce call on n ranks with one scale per row of `scale_row` elements
-    (each chunk cut into equal rows, a multiple of 32). Returns (output, new worker errors, new
-    server errors)."""
+def onebit_allreduce_reference(inputs, worker_errors, server_errors, real, row):
+    """Emulate one OneBitAllReduce call on n ranks. `inputs` are buffers in the layout, `real`
+    marks their non-padding elements, `row` is the layout's row length; each rank's chunk is
+    1/n of the buffer. Per row: scale = RMS over the row's real elements, padding counts as zero
+    and keeps no error. Returns (output, new worker errors, new server errors)."""
     n = len(inputs)
-    need = math.ceil(numel / n)
-    rows = math.ceil(need / max(32, scale_row))
-    row = math.ceil(need / (rows * 32)) * 32
-    chunk = rows * row
-    padded = n * chunk
+    padded = real.numel()
+    chunk = padded // n
 
     def compress(y, first):
-        """Per row: scale = RMS over its real elements, the scaled signs, the error."""
+        y = torch.where(real[first : first + y.numel()], y, 0.0)
         scaled = torch.zeros_like(y)
         for r in range(0, y.numel(), row):
-            real = min(max(numel - (first + r), 0), row)
-            part = y[r : r + row]
-            s = torch.linalg.vector_norm(part) / math.sqrt(max(real, 1))
-            scaled[r : r + row] = s * sign(part)
-        error = y - scaled
-        error[max(numel - first, 0) :] = 0
+            count = int(real[first + r : first + r + row].sum())
+            s = torch.linalg.vector_norm(y[r : r + row]) / math.sqrt(max(count, 1))
+            scaled[r : r + row] = s * sign(y[r : r + row])
+        error = torch.where(real[first : first + y.numel()], y - scaled, 0.0)
         return scaled, error
 
     sent, new_we = [], []
     for x, e in zip(inputs, worker_errors):
-        y = e.clone()
-        y[:numel] += x.float().reshape(-1)
-        scaled, error = compress(y, 0)
+        scaled, error = compress(e + x.float(), 0)
         sent.append(scaled)
         new_we.append(error)
     out = torch.empty(padded)
     new_se = []
     for j in range(n):
-        c = server_errors[j].clone()
-        for i in range(n):
-            c += sent[i][j * chunk : (j + 1) * chunk] / n
-        c[max(numel - j * chunk, 0) :] = 0
+        c = server_errors[j] + sum(s[j * chunk : (j + 1) * chunk] for s in sent) / n
         scaled, error = compress(c, j * chunk)
         new_se.append(error)
         out[j * chunk : (j + 1) * chunk] = scaled
-    return out[:numel], new_we, new_se
+    return torch.where(real, out, 0.0), new_we, new_se
 
 
 def zero_one_adam_reference(x0, grad_fn, world_size, steps, lr_fn, schedule, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):

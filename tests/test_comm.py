@@ -6,21 +6,33 @@ from reference import onebit_allreduce_reference
 from zoa_train.comm import CommLedger, OneBitAllReduce, allreduce, onebit_layout, pack_signs, unpack_signs
 from zoa_train.comm.onebit import SCALE_ROW, onebit_buffers
 
-# (name, numel, dtype, zeros)
+# (name, tensor sizes, dtype, zeros)
 CASES = [
-    ("length-1", 1, torch.float32, False),
-    ("odd-length", 8 * 4 * 3 + 5, torch.float32, False),
-    ("multi-block", 1000, torch.float32, False),
-    ("all-zero", 77, torch.float32, True),
-    ("bf16", 515, torch.bfloat16, False),
+    ("length-1", [1], torch.float32, False),
+    ("odd-length", [8 * 4 * 3 + 5], torch.float32, False),
+    ("multi-block", [1000], torch.float32, False),
+    ("all-zero", [77], torch.float32, True),
+    ("bf16", [515], torch.bfloat16, False),
+    # large tensors on their own rows, runs of small ones packed, an empty one
+    ("tensors", [300, 5, 7, 0, 64, 1000, 3, 40], torch.float32, False),
 ]
 
 
-def _input(case: int, call: int, rank: int, numel: int, dtype, zeros: bool) -> torch.Tensor:
-    if zeros:
-        return torch.zeros(numel, dtype=dtype)
-    g = torch.Generator().manual_seed(1000 * case + 10 * call + rank)
-    return (torch.randn(numel, generator=g) * (rank + 1)).to(dtype)
+def real_mask(layout) -> torch.Tensor:
+    """True at the elements of the layout's tensors, False at padding."""
+    real = torch.zeros(layout.padded, dtype=torch.bool)
+    for offset, size in zip(layout.offsets, layout.sizes):
+        real[offset : offset + size] = True
+    return real
+
+
+def _input(case: int, call: int, rank: int, layout, dtype, zeros: bool) -> torch.Tensor:
+    """A buffer in the layout: random tensors (scaled by rank), zero padding."""
+    x = torch.zeros(layout.padded)
+    if not zeros:
+        g = torch.Generator().manual_seed(1000 * case + 10 * call + rank)
+        x[real_mask(layout)] = torch.randn(layout.numel, generator=g) * (rank + 1)
+    return x.to(dtype)
 
 
 # (scale_row, block_size): rows of 32 processed two at a time make every buffer span several
@@ -30,12 +42,12 @@ LAYOUTS = [(32, 64), (SCALE_ROW, None)]
 
 def _run_cases(rank, world_size):
     results = []
-    for case, (_, numel, dtype, zeros) in enumerate(CASES):
+    for case, (_, sizes, dtype, zeros) in enumerate(CASES):
         for scale_row, block_size in LAYOUTS:
-            comm = OneBitAllReduce(numel, block_size=block_size, scale_row=scale_row, ledger=CommLedger(num_params=numel))
+            comm = OneBitAllReduce(sizes, block_size=block_size, scale_row=scale_row, ledger=CommLedger(num_params=sum(sizes)))
             calls = []
             for call in range(3):
-                x = _input(case, call, rank, numel, dtype, zeros)
+                x = _input(case, call, rank, comm.layout, dtype, zeros)
                 out = comm.op(x.clone())
                 calls.append({"out": out, "worker_error": comm.worker_error, "server_error": comm.server_error})
             results.append(calls)
@@ -46,19 +58,21 @@ def _run_cases(rank, world_size):
 def test_onebit_allreduce_matches_reference_and_is_identical_on_all_ranks(world_size):
     ranks = run_ranks(_run_cases, world_size)
     n = world_size
-    for case, (name, numel, dtype, zeros) in enumerate(CASES):
+    for case, (name, sizes, dtype, zeros) in enumerate(CASES):
         for index, (scale_row, _) in enumerate(LAYOUTS):
             result = case * len(LAYOUTS) + index
-            layout = onebit_layout(numel, n, scale_row)
+            layout = onebit_layout(sizes, n, scale_row)
+            real = real_mask(layout)
             worker_errors = [torch.zeros(layout.padded) for _ in range(n)]
             server_errors = [torch.zeros(layout.chunk) for _ in range(n)]
             for call in range(3):
-                inputs = [_input(case, call, r, numel, dtype, zeros) for r in range(n)]
-                ref, worker_errors, server_errors = onebit_allreduce_reference(inputs, worker_errors, server_errors, numel, scale_row)
+                inputs = [_input(case, call, r, layout, dtype, zeros) for r in range(n)]
+                ref, worker_errors, server_errors = onebit_allreduce_reference(inputs, worker_errors, server_errors, real, layout.row)
                 for r in range(n):
                     got = ranks[r][result][call]
                     assert got["out"].dtype == dtype, name
                     assert torch.equal(got["out"], ranks[0][result][call]["out"]), f"{name}: rank {r} differs from rank 0"
+                    assert not got["out"][~real].any(), f"{name}: padding of the output is not zero"
                     torch.testing.assert_close(got["out"].float(), ref.to(dtype).float(), rtol=1e-5, atol=1e-5)
                     torch.testing.assert_close(got["worker_error"], worker_errors[r], rtol=1e-5, atol=1e-5)
                     torch.testing.assert_close(got["server_error"], server_errors[r], rtol=1e-5, atol=1e-5)
@@ -67,18 +81,44 @@ def test_onebit_allreduce_matches_reference_and_is_identical_on_all_ranks(world_
 
 
 def test_layout_rows_cover_the_buffer_with_little_padding():
-    for numel, n, scale_row in [(1, 2, 64), (1000, 3, 64), (10**6, 8, SCALE_ROW), (3 * SCALE_ROW + 1, 1 + 1, SCALE_ROW)]:
+    for numel, n, scale_row in [(1, 2, 64), (1000, 3, 64), (10**6, 8, SCALE_ROW), (3 * SCALE_ROW + 1, 2, SCALE_ROW), (3 * 512 + 1, 2, 1024)]:
         layout = onebit_layout(numel, n, scale_row)
+        assert layout.offsets == (0,)
         assert layout.padded == n * layout.chunk == n * layout.rows * layout.row >= numel
         assert layout.row % 32 == 0 and layout.row <= max(32, scale_row)
         assert layout.padded - numel < n * layout.rows * 32  # under 32 elements of padding per row
         assert layout.segment == layout.chunk // 8 + 4 * layout.rows
 
 
+@pytest.mark.parametrize("world_size", [2, 8])
+def test_layout_rows_never_mix_a_tensor_of_a_row_or_more_with_another(world_size):
+    g = torch.Generator().manual_seed(world_size)
+    sizes = [int(s) for s in torch.randint(0, 3 * SCALE_ROW, (40,), generator=g)]
+    sizes[5:12] = [3, 700, 11, 0, 128, 1, 4096]  # a run of small tensors, an empty one, one of exactly a row
+    layout = onebit_layout(sizes, world_size)
+    row = layout.row
+    assert row == SCALE_ROW
+    owner = torch.full((layout.padded,), -1)
+    for index, (offset, size) in enumerate(zip(layout.offsets, layout.sizes)):
+        assert (owner[offset : offset + size] == -1).all(), "tensors overlap"
+        owner[offset : offset + size] = index
+        if size >= row:
+            assert offset % row == 0, "a tensor of a row or more starts on a row boundary"
+    assert list(layout.offsets) == sorted(layout.offsets)
+    for r in range(layout.padded // row):
+        tensors = set(owner[r * row : (r + 1) * row].tolist()) - {-1}
+        assert len(tensors) <= 1 or all(sizes[t] < row for t in tensors), f"row {r} mixes {tensors}"
+    assert layout.padded == world_size * layout.chunk
+    runs = 1 + sum(1 for a, b in zip(sizes, sizes[1:]) if not (a < row and b < row))
+    assert layout.padded - layout.numel < (runs + world_size) * row
+    assert torch.equal(layout.row_lengths(), (owner.view(-1, row) >= 0).sum(dim=1))
+
+
 def _error_feedback(rank, world_size, numel, calls):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(numel, generator=g) + 0.5 * rank
     comm = OneBitAllReduce(numel, ledger=CommLedger(num_params=numel))
+    assert comm.layout.padded == numel  # no padding here: x is a buffer in the layout
     total = torch.zeros(numel)
     errors = {}
     for k in range(1, calls + 1):
@@ -99,32 +139,43 @@ def test_error_feedback_running_mean_converges_like_one_over_k():
     assert rel(100) < rel(25) / 2.5  # 1/K would give 4: the carried error stays bounded
 
 
+LAYERS = [3000, 5000, 1000, 4000, 2000, 6000]  # sizes that are no multiple of any row
+
+
 def _layered_call_errors(rank, world_size, scale_rows):
-    """One call's relative error in each of six "layers" of 4096 elements whose magnitudes span 1e-3..1e2."""
+    """One call's relative error in each of six layers whose magnitudes span 1e-3..1e2, passed
+    as one tensor (rows cut across layers) or as six (rows follow them)."""
     g = torch.Generator().manual_seed(rank)
-    x = torch.cat([torch.randn(4096, generator=g) * 10.0**k for k in range(-3, 3)])
-    exact = x.clone()
-    torch.distributed.all_reduce(exact)
-    exact /= world_size
+    layers = [torch.randn(size, generator=g) * 10.0**k for size, k in zip(LAYERS, range(-3, 3))]
     errors = {}
-    for scale_row in scale_rows:
-        out = OneBitAllReduce(x.numel(), scale_row=scale_row, ledger=CommLedger(num_params=x.numel())).op(x.clone())
-        layer_errors = torch.linalg.vector_norm((out - exact).view(6, -1), dim=1) / torch.linalg.vector_norm(exact.view(6, -1), dim=1)
-        errors[scale_row] = layer_errors.tolist()
+    for sizes in ([sum(LAYERS)], LAYERS):
+        for scale_row in scale_rows:
+            comm = OneBitAllReduce(sizes, scale_row=scale_row, ledger=CommLedger(num_params=sum(LAYERS)))
+            x = torch.zeros(comm.layout.padded)
+            views = [x[o : o + s] for o, s in zip(comm.layout.offsets, LAYERS)] if len(sizes) > 1 else list(x[: sum(LAYERS)].split(LAYERS))
+            torch._foreach_copy_(views, layers)
+            exact = x.clone()
+            torch.distributed.all_reduce(exact)
+            exact /= world_size
+            out = comm.op(x)
+            errors[len(sizes), scale_row] = [(torch.linalg.vector_norm(o - e) / torch.linalg.vector_norm(e)).item() for o, e in zip(views, (exact[v.storage_offset() : v.storage_offset() + v.numel()] for v in views))]
     return errors
 
 
-def test_row_scales_follow_the_magnitude_of_each_part_of_the_buffer():
-    # rows of 4096 match the layers; rows of 1M give one scale per chunk
-    errors = run_ranks(_layered_call_errors, 2, [4096, 1 << 20])[0]
-    assert max(errors[4096]) < 1.5  # every layer gets about one call's usual error (~0.93)
-    assert max(errors[1 << 20]) > 20  # one scale per chunk: its small layers drown in its large ones
+def test_row_scales_follow_the_tensors():
+    errors = run_ranks(_layered_call_errors, 2, [1024, 1 << 20])[0]
+    # one scale per chunk: its small layers drown in its large ones
+    assert max(errors[1, 1 << 20]) > 20
+    # rows that follow the tensors give every layer about one call's usual error (~0.93)...
+    assert max(errors[len(LAYERS), 1024]) < 1.5
+    # ...whereas rows of the same length cut across layer boundaries do not
+    assert max(errors[1, 1024]) > 3  # (measured 4.8: a row straddling two layers gives the smaller one a larger scale)
 
 
 def _ledger_sequence(rank, world_size):
     ledger = CommLedger(num_params=1000)
     comm = OneBitAllReduce(1000, ledger=ledger)
-    comm.op(torch.ones(1000))
+    comm.op(torch.ones(comm.layout.padded))
     step1 = ledger.end_step()
     step2 = ledger.end_step()  # a local step: nothing sent
     allreduce(torch.ones(1000), ledger=ledger)
@@ -159,11 +210,11 @@ def test_buffer_sizes_follow_the_layout(world_size):
         assert held["_worker"] == 4 * numel and all(size == 0 for name, size in held.items() if name != "_worker")
         return
     layout = onebit_layout(numel, world_size)
-    per_rank = -(-numel // 2)  # 1.5 rows of SCALE_ROW: two equal rows, rounded up to 32
+    per_rank = -(-numel // 2)  # 1.6 rows of SCALE_ROW: two equal rows, rounded up to 32, pad least
     assert (layout.rows, layout.row) == (2, -(-per_rank // 64) * 32)
     assert held["_worker"] == 4 * layout.padded and held["_server"] == 4 * layout.chunk
     assert held["_send"] == held["_recv"] == held["_gathered"] == 2 * held["_mine"] == 2 * (layout.chunk // 8 + 4 * 2)
-    assert held["_flags"] == 4 * layout.row and held["_server_coef"] == 4 * 3 * 2  # one row per CPU block
+    assert held["_flags"] == 4 * 2 * layout.row and held["_server_coef"] == 4 * 3 * 2  # both rows in one CPU block
 
 
 def test_world_size_one_returns_input_unchanged():
@@ -171,7 +222,7 @@ def test_world_size_one_returns_input_unchanged():
     comm = OneBitAllReduce(37)
     assert comm.op(x) is x
     assert torch.equal(x, x.clone())
-    assert comm.padded_numel == 0
+    assert not comm.layout.active and comm.layout.padded == 37
 
 
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])

@@ -56,7 +56,7 @@ def _train_quadratic(rank, world_size, name, kwargs, steps, exact, lr_kwargs):
     cls = {"zero_one": ZeroOneAdam, "onebit": OneBitAdam, "adam": DataParallelAdam}[name]
     opt = cls([x], lr=lr(0), **kwargs)
     if exact:
-        opt._comms = [ExactAllReduce(x.numel())]
+        opt._comms = [ExactAllReduce(opt._flat[0].size)]
     records = []
     for t in range(steps):
         for group in opt.param_groups:
@@ -64,7 +64,7 @@ def _train_quadratic(rank, world_size, name, kwargs, steps, exact, lr_kwargs):
         x.grad = quadratic_grad(rank, t, x.detach())
         opt.step()
         records.append(opt.last_step)
-    return x.detach().clone(), opt._buffers[0]["exp_avg"].clone(), records
+    return x.detach().clone(), opt._flat[0].views(opt._buffers[0]["exp_avg"])[0].clone(), records
 
 
 LR = dict(name="exponential", lr=0.02, warmup_steps=5, decay_factor=0.5, decay_every=10)

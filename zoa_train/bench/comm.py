@@ -86,14 +86,15 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None) -> list[dict]
     rank, world = dist.get_rank(), dist.get_world_size()
     rows = []
     for numel in sizes:
+        comm = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
         g = torch.Generator().manual_seed(1234 + rank)
-        x = torch.randn(numel, generator=g).to(device)
+        x = torch.zeros(comm.layout.padded, device=device)  # a buffer in the layout: padding at the end
+        x[:numel] = torch.randn(numel, generator=g).to(device)
         exact = x.clone()
         dist.all_reduce(exact)
         exact /= world
 
         work = torch.empty_like(x)
-        comm = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
 
         def reset():
             work.copy_(x)

@@ -31,9 +31,12 @@ def allreduce(
     ledger: CommLedger | None = None,
     comm_dtype: torch.dtype | None = None,
     average: bool = True,
+    elements: int | None = None,
 ) -> torch.Tensor:
     """Average (or sum) `tensor` in place over the group, sending it as `comm_dtype` (default: its own).
 
+    `elements`: how many of its elements are parameters, for bits per parameter (default: all; a
+    buffer with padding counts only its real elements, while bytes count everything sent).
     Gloo has no AVG reduction, so the sum is divided by the world size locally.
     """
     world, _ = group_size_rank(group)
@@ -50,7 +53,7 @@ def allreduce(
     ledger.record(
         f"allreduce_{str(wire.dtype).removeprefix('torch.')}",
         payload_bits=bits,
-        elements=tensor.numel(),
+        elements=tensor.numel() if elements is None else elements,
         bytes_sent=ring_allreduce_bytes(tensor.numel(), wire.element_size(), world),
     )
     return tensor

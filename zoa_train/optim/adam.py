@@ -35,7 +35,7 @@ class DataParallelAdam(DataParallelOptimizer):
                 continue
             (beta1, beta2), lr = group["betas"], group["lr"]
             m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
-            grad = self._allreduce(flat.flat_grad())
+            grad = self._allreduce(flat, flat.flat_grad())
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             corrected = group["bias_correction"]

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zoa_train.comm import CommLedger, allreduce, group_size_rank
+from zoa_train.comm import CommLedger, OneBitAllReduce, allreduce, group_size_rank, onebit_layout
+from zoa_train.comm.onebit import OneBitLayout
 
 
 @dataclass
@@ -27,27 +28,36 @@ class StepRecord:
 
 
 class FlatGroup:
-    """The parameters of one param group and the layout of its flat state buffers."""
+    """The parameters of one param group and the layout of its flat state buffers.
 
-    def __init__(self, params: list[torch.Tensor]):
+    The layout is the group's 1-bit allreduce layout (each parameter where that layout puts it,
+    padding between them kept at zero) or, without compression, the parameters back to back."""
+
+    def __init__(self, params: list[torch.Tensor], layout: OneBitLayout):
         self.params = params
-        self.numel = sum(p.numel() for p in params)
+        self.numel = layout.numel
+        self.size = layout.padded  # elements of each flat buffer
+        self.offsets = layout.offsets
         self.device = params[0].device if params else torch.device("cpu")
 
     def zeros(self) -> torch.Tensor:
-        return torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        return torch.zeros(self.size, dtype=torch.float32, device=self.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of `flat` shaped like each parameter."""
-        out, offset = [], 0
-        for p in self.params:
-            out.append(flat[offset : offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return out
+        return [flat[offset : offset + p.numel()].view_as(p) for p, offset in zip(self.params, self.offsets)]
+
+    def flatten(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        """One new flat fp32 buffer holding `tensors` (one per parameter; None for zeros)."""
+        flat = self.zeros()
+        pairs = [(view, t) for view, t in zip(self.views(flat), tensors) if t is not None]
+        if pairs:
+            torch._foreach_copy_(*map(list, zip(*pairs)))
+        return flat
 
     def flat_grad(self) -> torch.Tensor:
-        """All gradients in one new flat fp32 tensor (zeros where .grad is None)."""
-        return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params])
+        """All gradients in one new flat fp32 buffer (zeros where .grad is None)."""
+        return self.flatten([p.grad for p in self.params])
 
     def split_by_grad(self, views: list[torch.Tensor]):
         """(grads, views of params that have one, views of params that have none)."""
@@ -66,12 +76,13 @@ class FlatGroup:
 class DataParallelOptimizer(torch.optim.Optimizer):
     """Base of DataParallelAdam, OneBitAdam and ZeroOneAdam.
 
-    Subclasses fill `self._buffers[i]` (name -> flat fp32 tensor of group i), `self._comms[i]`
-    (a OneBitAllReduce or None), `self._scalars[i]` (name -> float) and `self.schedule` (an object
-    with state_dict/load_state_dict, or None), and implement `_step() -> StepRecord fields`.
+    Subclasses fill `self._buffers[i]` (name -> flat fp32 tensor of group i), `self._scalars[i]`
+    (name -> float) and `self.schedule` (an object with state_dict/load_state_dict, or None), and
+    implement `_step() -> StepRecord fields`. With a `scale_row`, each group gets a
+    OneBitAllReduce in `self._comms[i]` and its flat buffers take that allreduce's layout.
     """
 
-    def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None):
+    def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None, scale_row: int | None = None):
         self._constructed = False
         super().__init__(params, defaults)
         self.process_group = process_group
@@ -87,12 +98,17 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                     seen.add(id(p))
                     unique.append(p)
             group["params"] = unique
-        self._flat = [FlatGroup(group["params"]) for group in self.param_groups]
-        self.ledger = CommLedger(num_params=sum(f.numel for f in self._flat))
+        sizes = [[p.numel() for p in group["params"]] for group in self.param_groups]
+        self.ledger = CommLedger(num_params=sum(map(sum, sizes)))
+        self._comms: list[OneBitAllReduce | None] = [None] * len(sizes)
+        if scale_row is not None:
+            device = [group["params"][0].device if group["params"] else None for group in self.param_groups]
+            self._comms = [OneBitAllReduce(s, group=process_group, device=d, ledger=self.ledger, scale_row=scale_row) for s, d in zip(sizes, device)]
+        layouts = [comm.layout if comm is not None else onebit_layout(s, 1) for comm, s in zip(self._comms, sizes)]
+        self._flat = [FlatGroup(group["params"], layout) for group, layout in zip(self.param_groups, layouts)]
         self.last_step: StepRecord | None = None
         self.step_count = 0
         self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in self._flat]
-        self._comms: list = [None for _ in self._flat]
         self._scalars: list[dict[str, float]] = [{} for _ in self._flat]
         self.schedule = None
         self._broadcast_parameters()
@@ -110,12 +126,13 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for flat in self._flat:
                 if flat.numel:
-                    buffer = torch.cat([p.reshape(-1) for p in flat.params])
+                    buffer = flat.flatten(flat.params)
                     dist.broadcast(buffer, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0, group=self.process_group)
                     torch._foreach_copy_(flat.params, flat.views(buffer))
 
-    def _allreduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        return allreduce(tensor, group=self.process_group, ledger=self.ledger, comm_dtype=self.allreduce_dtype)
+    def _allreduce(self, flat: FlatGroup, tensor: torch.Tensor) -> torch.Tensor:
+        """Average a flat buffer of `flat` in full precision (its padding is sent, not counted in bits/param)."""
+        return allreduce(tensor, group=self.process_group, ledger=self.ledger, comm_dtype=self.allreduce_dtype, elements=flat.numel)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -163,6 +180,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 "rank": self.rank,
                 "step_count": self.step_count,
                 "numels": [f.numel for f in self._flat],
+            "sizes": [f.size for f in self._flat],
                 "buffers": self._buffers,
                 "comms": [c.state_dict() if c is not None else None for c in self._comms],
                 "scalars": self._scalars,
@@ -183,6 +201,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             )
         if saved["numels"] != [f.numel for f in self._flat]:
             raise ValueError(f"the {name} state is for parameter groups of sizes {saved['numels']}, not {[f.numel for f in self._flat]}")
+        if saved.get("sizes") != [f.size for f in self._flat]:
+            raise ValueError(f"the {name} state was saved with another 1-bit layout (an older zoa-train or another scale_row)")
         for group, saved_group in zip(self.param_groups, state_dict["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         for buffers, saved_buffers in zip(self._buffers, saved["buffers"]):

@@ -10,7 +10,7 @@ otherwise turn their zero momentum into noise.
 
 import torch
 
-from zoa_train.comm import OneBitAllReduce
+from zoa_train.comm.onebit import SCALE_ROW
 from zoa_train.optim.base import DataParallelOptimizer
 
 
@@ -26,18 +26,18 @@ class OneBitAdam(DataParallelOptimizer):
         freeze_step: int = 100_000,
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
+        scale_row: int = SCALE_ROW,
     ):
         if freeze_step < 1:  # at least one full-precision step, or v stays zero and nothing moves
             raise ValueError(f"freeze_step must be at least 1, got {freeze_step}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, process_group, allreduce_dtype)
+        super().__init__(params, defaults, process_group, allreduce_dtype, scale_row)
         self.freeze_step = freeze_step
-        for i, (flat, buffers) in enumerate(zip(self._flat, self._buffers)):
+        for flat, buffers, scalars in zip(self._flat, self._buffers, self._scalars):
             buffers["exp_avg"] = flat.zeros()
             # Holds v during warm-up and, once frozen, its final denominator sqrt(v/bc2)+eps.
             buffers["exp_avg_sq"] = flat.zeros()
-            self._comms[i] = OneBitAllReduce(flat.numel, group=process_group, device=flat.device, ledger=self.ledger)
-            self._scalars[i] = {"variance_updates": 0, "frozen": 0}
+            scalars.update(variance_updates=0, frozen=0)
 
     def _step(self) -> tuple[bool, bool, int]:
         t = self.step_count
@@ -49,7 +49,7 @@ class OneBitAdam(DataParallelOptimizer):
             corrected = group["bias_correction"]
             m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
             if warmup:
-                grad = self._allreduce(flat.flat_grad())
+                grad = self._allreduce(flat, flat.flat_grad())
                 m.lerp_(grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 scalars["variance_updates"] += 1

@@ -27,7 +27,7 @@ come (t >= var_freeze_step) v is replaced in place by its denominator, saving tw
 
 import torch
 
-from zoa_train.comm import OneBitAllReduce
+from zoa_train.comm.onebit import SCALE_ROW
 from zoa_train.optim.base import DataParallelOptimizer
 from zoa_train.optim.schedules import ZeroOneSchedule
 
@@ -49,9 +49,10 @@ class ZeroOneAdam(DataParallelOptimizer):
         local_step_interval: int = 1,
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
+        scale_row: int = SCALE_ROW,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, process_group, allreduce_dtype)
+        super().__init__(params, defaults, process_group, allreduce_dtype, scale_row)
         self.schedule = ZeroOneSchedule(
             var_freeze_step=var_freeze_step,
             var_update_scaler=var_update_scaler,
@@ -60,13 +61,12 @@ class ZeroOneAdam(DataParallelOptimizer):
             local_step_scaler=local_step_scaler,
             local_step_interval=local_step_interval,
         )
-        for i, (flat, buffers) in enumerate(zip(self._flat, self._buffers)):
+        for flat, buffers, scalars in zip(self._flat, self._buffers, self._scalars):
             buffers["exp_avg"] = flat.zeros()
             # Holds v until the freeze and then its final denominator sqrt(v/bc2)+eps.
             buffers["exp_avg_sq"] = flat.zeros()
-            buffers["anchor"] = torch.cat([p.detach().reshape(-1) for p in flat.params]) if flat.numel else flat.zeros()
-            self._comms[i] = OneBitAllReduce(flat.numel, group=process_group, device=flat.device, ledger=self.ledger)
-            self._scalars[i] = {"lr_sum": 0.0, "decay": 1.0, "frozen": 0}
+            buffers["anchor"] = flat.flatten([p.detach() for p in flat.params])
+            scalars.update(lr_sum=0.0, decay=1.0, frozen=0)
 
     def synchronize(self) -> None:
         """Sync now if local steps are pending (e.g. before a final evaluation), so all ranks agree."""
@@ -90,7 +90,7 @@ class ZeroOneAdam(DataParallelOptimizer):
             params, m_views = flat.params, flat.views(m)
 
             if decision.variance_update:
-                grad = self._allreduce(flat.flat_grad())
+                grad = self._allreduce(flat, flat.flat_grad())
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 m.lerp_(grad, 1 - beta1)
                 if wd:
