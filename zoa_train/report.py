@@ -18,22 +18,20 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FormatStrFormatter
 
 from zoa_train.errors import UserError
-from zoa_train.runs import STEP_KINDS, RunLog, first_reaching, read_run
+from zoa_train.runs import FULL, LOCAL, ONEBIT, STEP_KINDS, VARIANCE, RunLog, first_reaching, read_run
 
 # One colour per optimizer, the same in every plot; runs of one optimizer differ by line style and marker.
 OPTIMIZER_COLOURS = {"adam": "#444444", "onebit_adam": "#e07b00", "zero_one_adam": "#1f6fc0"}
 OTHER_COLOUR = "#8e44ad"
 LINE_STYLES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D", "v", "P"]
-KIND_COLOURS = {"v": "#c0392b", "f": "#34495e", "s": "#27ae60", "l": "#f5d76e"}
+KIND_COLOURS = {VARIANCE: "#c0392b", FULL: "#34495e", ONEBIT: "#27ae60", LOCAL: "#f5d76e"}
 MB = 1e6
 
 
 @dataclass
 class Report:
-    columns: list[str]
-    rows: list[list[str]]
-    markdown: str  # the table
+    markdown: str  # the table, as in report.md
     target: float | None  # the best common validation loss
     files: list[Path]  # report.md first, then the images
     notes: list[str]
@@ -227,4 +225,4 @@ def write_report(paths: list[Path], out: Path) -> Report:
     text += [f"- {note}" for note in notes]
     report_md = out / "report.md"
     report_md.write_text("\n".join(text).rstrip() + "\n")
-    return Report(columns, rows, markdown, target, [report_md, *(out / name for name in images)], notes)
+    return Report(markdown, target, [report_md, *(out / name for name in images)], notes)
