@@ -4,6 +4,7 @@
   zoa-train run recipes/gpt2.yaml --set optimizer.name=adam --nproc 8
   torchrun --nproc-per-node 8 -m zoa_train.cli run recipes/gpt2.yaml      one process per rank
   srun --ntasks-per-node 8 zoa-train run recipes/bert_large.yaml           rank and master from Slurm
+  zoa-train report runs/adam runs/zero_one_adam --out report   plots and a comparison table
   zoa-train bench comm --sizes 1M,16M,64M --nproc 2        fp32 allreduce vs 1-bit allreduce
 """
 
@@ -141,6 +142,23 @@ def count_parameters(config) -> int:
     with torch.device("meta"):
         model = build_model(config.model, config.data.vocab_size, config.data.seq_len)
     return sum(p.numel() for p in model.parameters())
+
+
+@app.command("report")
+def report_command(
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run directories (each with metrics.jsonl), e.g. runs/gpt2_tiny.", show_default=False)],
+    out: Annotated[Path, typer.Option(help="Directory for report.md and the PNG plots; files of the same names are replaced. [default: report]")] = Path("report"),
+) -> None:
+    """Compare runs: loss, bits/param and step-kind plots (PNG) and a table of final losses, time, traffic and time to a common loss."""
+    from zoa_train.report import write_report
+
+    report = write_report(run_dirs, out)
+    print(report.markdown, end="")  # the table as in report.md: never truncated to the terminal's width
+    if report.target is not None:
+        print(f"best common val loss {report.target:.3f}: the highest of the runs' final validation losses")
+    for note in report.notes:
+        print(note)
+    print(f"wrote {', '.join(str(f) for f in report.files)}")
 
 
 @bench_app.command("comm")

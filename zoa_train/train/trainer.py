@@ -31,6 +31,7 @@ from zoa_train.distributed import init_process_group, threads_per_rank
 from zoa_train.errors import UserError
 from zoa_train.models import build_model
 from zoa_train.optim import DataParallelAdam, LRSchedule, OneBitAdam, ZeroOneAdam
+from zoa_train.runs import FULL, LOCAL, ONEBIT, VARIANCE
 from zoa_train.train import checkpoint as ckpt
 from zoa_train.train.metrics import MetricsLogger
 from zoa_train.train.precision import DTYPES, LossScaler, autocast
@@ -141,7 +142,7 @@ class Trainer:
         tokens_per_step = t.global_batch_size * self.recipe.data.seq_len
         started = time.perf_counter() - self.wall_offset
         window_start, window_steps = time.perf_counter(), 0
-        record = {}
+        record, step_kinds = {}, ""
         while self.step < t.steps:
             self.model.train()
             loss_sum = torch.zeros((), device=self.device)
@@ -164,6 +165,7 @@ class Trainer:
                 nbytes = ring_allreduce_bytes(self.num_params, bits // 8, self.world)
                 self.ledger.record("ddp_allreduce", payload_bits=bits, elements=self.num_params, bytes_sent=nbytes)
                 self.ledger.end_step()
+            step_kinds += self._step_kind()
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.step += 1
@@ -183,8 +185,9 @@ class Trainer:
                     "bytes_sent": self.ledger.bytes_sent,
                     "variance_updates": self._variance_updates(),
                     "wall_time": time.perf_counter() - started,
+                    "step_kinds": step_kinds,
                 }
-                window_start, window_steps = time.perf_counter(), 0
+                window_start, window_steps, step_kinds = time.perf_counter(), 0, ""
                 if last and isinstance(self.optimizer, ZeroOneAdam):
                     self.optimizer.synchronize()  # every rank ends on the same parameters
                 if (t.val_every and self.step % t.val_every == 0) or last:
@@ -198,6 +201,14 @@ class Trainer:
         return {k: record.get(k) for k in ("step", "loss", "val_loss", "tokens_per_s", "bits_per_param", "rounds", "wall_time")} | {
             "run_dir": str(self.run_dir)
         }
+
+    def _step_kind(self) -> str:
+        """What the optimizer step just taken did, one character of runs.STEP_KINDS."""
+        last = getattr(self.optimizer, "last_step", None)  # torch AdamW (under DDP) has none
+        if isinstance(self.optimizer, ZeroOneAdam):
+            return VARIANCE if last.variance_updated else ONEBIT if last.synced else LOCAL
+        # AdamW, DataParallelAdam and 1-bit Adam's warm-up update the variance from a full-precision average
+        return FULL if last is None or last.variance_updated else ONEBIT
 
     def _variance_updates(self) -> int:
         if isinstance(self.optimizer, ZeroOneAdam):
