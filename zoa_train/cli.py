@@ -236,7 +236,9 @@ def bench_netsim(
     try:
         result = run_netsim(recipe, overrides, names, ranks, bandwidth, latency, out, numels, progress=lambda m: say(m, highlight=False))
     except RankFailed as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        from rich.markup import escape
+
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
     if as_json:
         print(json.dumps(result))

@@ -20,6 +20,7 @@ groups are killed and every namespace of this invocation is deleted, which remov
 
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -314,8 +315,15 @@ def run_ranks(label: str, commands: list[list[str]], logs: list[Path]) -> None:
 
 
 def _last_line(log: Path) -> str:
-    lines = [line.strip() for line in log.read_text(errors="replace").splitlines() if line.strip()]
-    return lines[-1].removeprefix("error: ").rstrip(".") if lines else "no output"
+    """What the rank died of: from its log's last "error: ..." (the CLI's) or "SomethingError: ..." line
+    to the end (a long message wraps onto more lines), without torch's "[rank0]: " in front."""
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line).strip() for line in log.read_text(errors="replace").splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        return "no output"
+    starts = [i for i, line in enumerate(lines) if re.match(r"error: |[\w.]*(Error|Exception|Interrupt)\b", line)]
+    text = " ".join(lines[starts[-1] if starts else -1 :])
+    return text.removeprefix("error: ").rstrip(".")[:500]
 
 
 # ---- the benchmark ------------------------------------------------------------------------------------
