@@ -6,6 +6,7 @@
   srun --ntasks-per-node 8 zoa-train run recipes/bert_large.yaml           rank and master from Slurm
   zoa-train report runs/adam runs/zero_one_adam --out report   plots and a comparison table
   zoa-train bench comm --sizes 1M,16M,64M --nproc 2        fp32 allreduce vs 1-bit allreduce
+  sudo zoa-train bench netsim --ranks 2 --bandwidth 100mbit  each optimizer over emulated network links
 """
 
 import json
@@ -171,7 +172,7 @@ def bench_comm(
 ) -> None:
     """Time torch.distributed.all_reduce (fp32) against OneBitAllReduce on the same tensors.
 
-    Started by torchrun or srun, it runs as one of their ranks (--nproc is then theirs) and rank 0 prints; scripts/shaped_link.sh uses this to put the ranks on an emulated network link."""
+    Started by torchrun or srun, it runs as one of their ranks (--nproc is then theirs) and rank 0 prints; bench netsim uses this to put the ranks on emulated network links."""
     from zoa_train.bench.comm import FEEDBACK_CALLS, parse_size, rank_main
     from zoa_train.distributed import cluster_environment, launch_local
 
@@ -212,6 +213,57 @@ def bench_comm(
             f"{r['pack_unpack_vs_add']:.2f}",
         )
     console.print(table)
+
+
+@bench_app.command("netsim")
+def bench_netsim(
+    recipe: Annotated[Path, typer.Option(help="The recipe every optimizer trains. [default: recipes/gpt2_tiny.yaml]")] = Path("recipes/gpt2_tiny.yaml"),
+    ranks: Annotated[int, typer.Option(help="Ranks, one network namespace each. [default: 2]")] = 2,
+    bandwidth: Annotated[str, typer.Option(help="Rate of each rank's link, both directions, e.g. 100mbit, 1Gbit, 12.5MB/s. [default: 100mbit]")] = "100mbit",
+    latency: Annotated[str, typer.Option(help="One-way delay between two ranks (netem), e.g. 1ms; 0 shapes the rate only. [default: 1ms]")] = "1ms",
+    optimizers: Annotated[str, typer.Option(help="Comma-separated optimizers to train, Adam first; none: bench comm only. [default: adam,onebit_adam,zero_one_adam]")] = "adam,onebit_adam,zero_one_adam",
+    steps: Annotated[int, typer.Option(help="Sets train.steps for every run. [default: the recipe's]")] = 0,
+    set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value in every run: section.key=value (repeatable).")] = [],
+    comm_sizes: Annotated[str, typer.Option(help="Element counts for bench comm over the same links (k, M, G suffixes), or none. [default: the model's parameter count]")] = "",
+    out: Annotated[Path, typer.Option(help="Run directories OUT/<optimizer> (replaced), rank logs OUT/logs, results OUT/netsim.json. [default: runs/netsim]")] = Path("runs/netsim"),
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object instead of tables.")] = False,
+) -> None:
+    """Train each optimizer on ranks in network namespaces joined by a bridge over rate-limited, delayed veth links, same recipe and seed.
+
+    Reports step time, throughput, bits/param, rounds, bytes sent, time to Adam's final val_loss and speed-ups against Adam, then bench comm over the same links. Needs root and iproute2; removes everything it creates, also on failure or Ctrl-C."""
+    from zoa_train.bench.comm import parse_size
+    from zoa_train.bench.netsim import RankFailed, parse_optimizers, run_netsim
+    from zoa_train.config import load_recipe
+
+    names = parse_optimizers(optimizers)
+    if steps < 0:
+        fail("--steps must be positive (0 keeps the recipe's train.steps).")
+    overrides = [*set_, *([f"train.steps={steps}"] if steps else [])]
+    if comm_sizes.strip() == "none":
+        numels = []
+    elif comm_sizes.strip():
+        try:
+            numels = [parse_size(s) for s in comm_sizes.split(",") if s.strip()]
+        except ValueError as e:
+            fail(f"--comm-sizes: {e}.")
+    else:
+        numels = [count_parameters(load_recipe(recipe, overrides))]
+    if not names and not numels:
+        fail("--optimizers none and --comm-sizes none leave nothing to run.")
+    say = Console(stderr=True).print
+    try:
+        result = run_netsim(recipe, overrides, names, ranks, bandwidth, latency, out, numels, progress=lambda m: say(m, highlight=False))
+    except RankFailed as e:
+        from rich.markup import escape
+
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
+    if as_json:
+        print(json.dumps(result))
+    else:
+        from zoa_train.bench.netsim import format_netsim
+
+        console.print(format_netsim(result))
 
 
 @bench_app.command("optim")

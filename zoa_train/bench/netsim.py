@@ -1,0 +1,464 @@
+"""`zoa-train bench netsim`: train each optimizer on ranks joined by an emulated network, same recipe and seed.
+
+Topology (all of it private to this invocation, nothing is added to the root namespace):
+
+    namespace <prefix>-r0: veth <prefix>-v0, 10.231.0.1/24 ─┐
+    namespace <prefix>-r1: veth <prefix>-v1, 10.231.0.2/24 ─┼─ ports <prefix>-p0, -p1, ... on bridge <prefix>-br
+    ...                                                      ┘   in namespace <prefix>-br (no address)
+
+<prefix> is "zn<pid>", so two invocations never share a name, and the addresses can be the same in
+every invocation because each one's namespaces see only their own bridge. Both ends of every link are
+shaped to --bandwidth (the rank's end limits what it sends, the bridge port what it receives); the
+rank's end also delays by --latency (netem), so a message between two ranks takes one latency and a
+round trip two.
+
+Each rank is `ip netns exec <ns> env RANK=... python -m zoa_train.cli run ...`: the trainer joins
+as a torchrun-style rank with Gloo bound to the rank's veth. `bench comm` is run over the same links
+the same way. Whatever happens (a failing rank, an exception, Ctrl-C, SIGTERM), the rank process
+groups are killed and every namespace of this invocation is deleted, which removes its veths and bridge.
+"""
+
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from zoa_train.errors import UserError
+from zoa_train.optim.plan import OPTIMIZERS, TITLES, parse_bandwidth, parse_latency
+from zoa_train.runs import RunLog, first_reaching, read_run
+
+SUBNET = "10.231.0"  # rank r is SUBNET.(r+1)/24, only ever inside this invocation's namespaces
+MASTER_PORT = 29500  # free in a fresh namespace; each run adds its index so no run meets the last one's TIME_WAIT
+COMM_REPEATS = 5
+MAX_RANKS = 64  # one /24 and a machine's worth of processes
+IFNAMSIZ = 15  # Linux interface names are at most 15 characters
+
+
+class RankFailed(Exception):
+    """A rank process exited with an error: the message names it and its log (the CLI exits 1)."""
+
+
+# ---- pure parts: names, addresses, tc arguments, what to compute -----------------------------------
+
+
+@dataclass(frozen=True)
+class Topology:
+    prefix: str
+    ranks: int
+
+    @property
+    def bridge_ns(self) -> str:
+        return f"{self.prefix}-br"
+
+    @property
+    def bridge(self) -> str:
+        return f"{self.prefix}-br"
+
+    def rank_ns(self, rank: int) -> str:
+        return f"{self.prefix}-r{rank}"
+
+    def rank_if(self, rank: int) -> str:
+        return f"{self.prefix}-v{rank}"
+
+    def port_if(self, rank: int) -> str:
+        return f"{self.prefix}-p{rank}"
+
+    def address(self, rank: int) -> str:
+        return f"{SUBNET}.{rank + 1}"
+
+    @property
+    def namespaces(self) -> list[str]:
+        return [self.bridge_ns, *(self.rank_ns(r) for r in range(self.ranks))]
+
+
+def topology(ranks: int, pid: int | None = None) -> Topology:
+    """Names for this process (pid-based: unique among live invocations)."""
+    if not 2 <= ranks <= MAX_RANKS:
+        raise UserError(f"--ranks must be between 2 and {MAX_RANKS}, not {ranks}.")
+    topo = Topology(f"zn{os.getpid() if pid is None else pid}", ranks)
+    longest = max([topo.bridge, topo.rank_if(ranks - 1), topo.port_if(ranks - 1)], key=len)
+    assert len(longest) <= IFNAMSIZ, longest  # pids have at most 7 digits (pid_max <= 4194304)
+    return topo
+
+
+def tc_rate(bandwidth: str) -> int:
+    """--bandwidth (e.g. 100mbit, 1Gbit, 12.5MB/s) in bits/s, as tc takes it."""
+    return round(parse_bandwidth(bandwidth) * 8)
+
+
+def parse_optimizers(text: str) -> list[str]:
+    """Comma-separated optimizer names, Adam first (its final val_loss is everyone's target); 'none': no training."""
+    if text.strip() == "none":
+        return []
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in OPTIMIZERS]
+    if unknown or not names:
+        raise UserError(f"--optimizers takes a comma-separated list of {', '.join(OPTIMIZERS)} (or none), not {text!r}.")
+    if len(set(names)) != len(names):
+        raise UserError(f"--optimizers names an optimizer twice: {text!r}.")
+    return sorted(names, key=lambda n: n != "adam")
+
+
+def link_commands(topo: Topology, rate_bits: int, latency_s: float) -> list[list[str]]:
+    """The ip/tc commands that build the network, in order; nothing runs in the root namespace."""
+    rate = f"{rate_bits}bit"
+    # tbf's bucket: at least 128 KiB (a 64 KiB GSO packet must fit, or tbf drops it) and 5 ms of the rate,
+    # so high rates need not wake the timer for every packet; the queue holds 100 ms before dropping.
+    burst = str(max(128 * 1024, rate_bits // 8 // 200))
+    tbf = ["tbf", "rate", rate, "burst", burst, "latency", "100ms"]
+    # netem does rate and delay in one qdisc; its limit (packets) must cover the bytes in flight.
+    netem = ["netem", "delay", f"{round(latency_s * 1e6)}us", "rate", rate, "limit", "100000"]
+    b = topo.bridge_ns
+    commands = [["ip", "netns", "add", ns] for ns in topo.namespaces]
+    commands += [
+        ["ip", "-n", b, "link", "add", topo.bridge, "type", "bridge"],
+        ["ip", "-n", b, "link", "set", topo.bridge, "up"],
+    ]
+    for r in range(topo.ranks):
+        ns, veth, port = topo.rank_ns(r), topo.rank_if(r), topo.port_if(r)
+        commands += [
+            # Created directly inside the two namespaces: the pair never exists in the root namespace.
+            ["ip", "link", "add", veth, "netns", ns, "type", "veth", "peer", "name", port, "netns", b],
+            ["ip", "-n", b, "link", "set", port, "master", topo.bridge],
+            ["ip", "-n", b, "link", "set", port, "up"],
+            ["ip", "-n", ns, "link", "set", "lo", "up"],
+            ["ip", "-n", ns, "addr", "add", f"{topo.address(r)}/24", "dev", veth],
+            ["ip", "-n", ns, "link", "set", veth, "up"],
+            ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", *(netem if latency_s > 0 else tbf)],
+            ["ip", "netns", "exec", b, "tc", "qdisc", "add", "dev", port, "root", *tbf],
+        ]
+    return commands
+
+
+def rank_command(topo: Topology, rank: int, port: int, argv: list[str]) -> list[str]:
+    """`python -m zoa_train.cli ARGV` as rank `rank` of a torchrun-style group inside its namespace."""
+    env = {
+        "RANK": rank, "WORLD_SIZE": topo.ranks, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1,
+        "MASTER_ADDR": topo.address(0), "MASTER_PORT": port,
+        "OMP_NUM_THREADS": 1,  # ranks share this machine's cores
+        "GLOO_SOCKET_IFNAME": topo.rank_if(rank),
+    }  # fmt: skip
+    return ["ip", "netns", "exec", topo.rank_ns(rank), "env", *(f"{k}={v}" for k, v in env.items()),
+            sys.executable, "-m", "zoa_train.cli", *argv]  # fmt: skip
+
+
+def median_step_time(records: list[dict]) -> float:
+    """Median seconds per step between consecutive metric records (wall_time and step differences).
+    The first record's interval holds start-up work and is used only when it is the only one."""
+    timed = [r for r in records if "wall_time" in r]
+    if len(timed) == 1:
+        return timed[0]["wall_time"] / timed[0]["step"]
+    return statistics.median((b["wall_time"] - a["wall_time"]) / (b["step"] - a["step"]) for a, b in zip(timed, timed[1:]))
+
+
+def speedup(baseline: float | None, value: float | None) -> float | None:
+    """baseline / value (how many times faster than the baseline), None when either is unknown."""
+    if baseline is None or value is None or value <= 0:
+        return None
+    return baseline / value
+
+
+def summarize(run: RunLog, target: float | None) -> dict:
+    """One optimizer's figures from its run directory; time to target via zoa_train.runs.first_reaching."""
+    records = run.series("wall_time")
+    if not records:
+        raise RankFailed(f"{run.path}/metrics.jsonl has no records.")
+    last = records[-1]
+    hit = first_reaching(run, target) if target is not None else None
+    return {
+        "optimizer": run.optimizer,
+        "run_dir": str(run.path),
+        "steps": last["step"],
+        "median_step_s": median_step_time(records),
+        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+        "bits_per_param": last["bits_per_param"],
+        "rounds": last["rounds"],
+        "bytes_sent_per_rank": last["bytes_sent"],  # rank 0's ledger: what the optimizer sent
+        "final_loss": last["loss"],
+        "final_val_loss": run.final("val_loss"),
+        "wall_time_s": last["wall_time"],
+        "time_to_target_s": hit["wall_time"] if hit else None,
+        "step_to_target": hit["step"] if hit else None,
+    }
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Speed-ups against Adam's row (none without one): total training wall time and time to target."""
+    base = next((r for r in rows if r["optimizer"] == "adam"), None)
+    for row in rows:
+        row["speedup_wall"] = speedup(base["wall_time_s"], row["wall_time_s"]) if base else None
+        row["speedup_time_to_target"] = speedup(base["time_to_target_s"], row["time_to_target_s"]) if base else None
+
+
+# ---- the machine: network, rank processes -----------------------------------------------------------
+
+
+def check_prerequisites() -> None:
+    if os.geteuid() != 0:
+        raise UserError("bench netsim needs root to create network namespaces: run it with sudo.")
+    if not (shutil.which("ip") and shutil.which("tc")):
+        raise UserError("bench netsim needs the ip and tc commands: install iproute2 (apt-get install iproute2).")
+
+
+def _run_ip(command: list[str]) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode == 0:
+        return done
+    why = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit code {done.returncode}"
+    if "netem" in command and "unknown" in why:
+        raise UserError("--latency needs the netem qdisc, which this kernel lacks (CONFIG_NET_SCH_NETEM): pass --latency 0 to shape the bandwidth only.")
+    if command[:3] == ["ip", "netns", "add"]:
+        raise UserError(f"bench netsim cannot create a network namespace ({why}): it needs root with CAP_SYS_ADMIN and CAP_NET_ADMIN.")
+    raise UserError(f"setting up the emulated network failed at `{' '.join(command)}`: {why}.")
+
+
+def remove_namespaces(prefix: str) -> None:
+    """Delete every namespace named <prefix>-*; their veths and bridge go with them."""
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in listed.splitlines():
+        name = line.split()[0] if line.split() else ""
+        if name.startswith(prefix + "-"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@contextmanager
+def emulated_network(topo: Topology, rate_bits: int, latency_s: float) -> Iterator[None]:
+    """Build the namespaces, bridge and shaped veths; delete them on the way out, however it is left."""
+    try:
+        # Namespaces with this pid's prefix can only be left over from a dead process that had our pid.
+        remove_namespaces(topo.prefix)
+        for command in link_commands(topo, rate_bits, latency_s):
+            _run_ip(command)
+        yield
+    finally:
+        with _signals_blocked():  # a second Ctrl-C must not stop the clean-up half-way
+            remove_namespaces(topo.prefix)
+
+
+@contextmanager
+def _signals_blocked() -> Iterator[None]:
+    blocked = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, blocked)
+
+
+@contextmanager
+def terminate_as_exit() -> Iterator[None]:
+    """Turn SIGTERM into SystemExit(143), so the finally blocks run as they do for Ctrl-C (KeyboardInterrupt)."""
+
+    def handler(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def tx_bytes(topo: Topology, rank: int) -> int:
+    """Bytes rank `rank` has put on its link (its veth's transmit counter: headers and start-up included)."""
+    out = _run_ip(["ip", "-n", topo.rank_ns(rank), "-s", "-j", "link", "show", "dev", topo.rank_if(rank)]).stdout
+    return json.loads(out)[0]["stats64"]["tx"]["bytes"]
+
+
+def _kill_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM each rank's process group (each rank leads its own session), SIGKILL what is left after 5 s."""
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        for p in procs:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        for p in procs:
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        if all(p.poll() is not None for p in procs):
+            return
+
+
+def run_ranks(label: str, commands: list[list[str]], logs: list[Path]) -> None:
+    """Run one process per rank until all succeed; the first failure kills the others (which would
+    otherwise wait in a collective) and raises RankFailed naming the rank and its log."""
+    procs = []
+    try:
+        for command, log in zip(commands, logs):
+            with open(log, "w") as f:
+                procs.append(subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = next(((r, c) for r, c in enumerate(codes) if c not in (None, 0)), None)
+            if failed:
+                rank, code = failed
+                raise RankFailed(f"{label}: rank {rank} exited with code {code}: {_last_line(logs[rank])} (log: {logs[rank]}).")
+            if all(c == 0 for c in codes):
+                return
+            time.sleep(0.1)
+    finally:
+        with _signals_blocked():
+            _kill_groups(procs)
+
+
+def _last_line(log: Path) -> str:
+    """What the rank died of: from its log's last "error: ..." (the CLI's) or "SomethingError: ..." line
+    to the end (a long message wraps onto more lines), without torch's "[rank0]: " in front."""
+    lines = [re.sub(r"^\[rank\d+\]: ", "", line).strip() for line in log.read_text(errors="replace").splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        return "no output"
+    starts = [i for i, line in enumerate(lines) if re.match(r"error: |[\w.]*(Error|Exception|Interrupt)\b", line)]
+    text = " ".join(lines[starts[-1] if starts else -1 :])
+    return text.removeprefix("error: ").rstrip(".")[:500]
+
+
+# ---- the benchmark ------------------------------------------------------------------------------------
+
+
+def prepare_run_dir(path: Path) -> None:
+    """Empty a previous run directory: under a launcher, `run` appends to metrics.jsonl instead of refusing.
+    Anything that does not look like a run directory is left alone."""
+    if path.exists() and any(path.iterdir()):
+        if not ((path / "metrics.jsonl").exists() or (path / "recipe.yaml").exists()):
+            raise UserError(f"{path} exists and is not a run directory: choose another --out.")
+        shutil.rmtree(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+
+def run_netsim(
+    recipe: Path,
+    overrides: list[str],
+    optimizers: list[str],
+    ranks: int,
+    bandwidth: str,
+    latency: str,
+    out: Path,
+    comm_sizes: list[int],
+    progress=print,
+) -> dict:
+    """Train each optimizer over the emulated network, then run bench comm over it; returns (and writes
+    to OUT/netsim.json) the figures. Inputs are checked before anything is created."""
+    from zoa_train.config import check_batch_layout, load_recipe
+
+    topo = topology(ranks)
+    rate_bits, latency_s = tc_rate(bandwidth), parse_latency(latency)
+    runs = {name: [*overrides, f"optimizer.name={name}"] for name in optimizers}
+    for sets in runs.values():
+        check_batch_layout(load_recipe(recipe, sets), ranks, str(recipe))
+    check_prerequisites()
+    out = out.resolve()
+    for name in optimizers:
+        prepare_run_dir(out / name)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+
+    result = {
+        "ranks": ranks, "bandwidth": bandwidth, "bandwidth_bits_per_s": rate_bits, "latency_s": latency_s,
+        "recipe": str(recipe), "overrides": overrides, "prefix": topo.prefix,
+    }  # fmt: skip
+    rows, comm = [], None
+    with terminate_as_exit(), emulated_network(topo, rate_bits, latency_s):
+        for index, name in enumerate(optimizers):
+            progress(f"{name}: training on {ranks} ranks, logs in {out / 'logs'}")
+            argv = ["run", str(recipe.resolve()), "--out", str(out / name), "--overwrite", *(a for s in runs[name] for a in ("--set", s))]
+            before = [tx_bytes(topo, r) for r in range(ranks)]
+            run_ranks(name, [rank_command(topo, r, MASTER_PORT + index, argv) for r in range(ranks)],
+                      [out / "logs" / f"{name}-rank{r}.log" for r in range(ranks)])  # fmt: skip
+            sent = [tx_bytes(topo, r) - b for r, b in zip(range(ranks), before)]
+            rows.append({"optimizer": name, "wire_bytes_per_rank": statistics.mean(sent)})
+        if comm_sizes:
+            progress(f"bench comm: fp32 vs 1-bit allreduce of {', '.join(map(str, comm_sizes))} elements")
+            argv = ["bench", "comm", "--backend", "gloo", "--sizes", ",".join(map(str, comm_sizes)), "--repeats", str(COMM_REPEATS), "--json"]
+            logs = [out / "logs" / f"comm-rank{r}.log" for r in range(ranks)]
+            run_ranks("bench comm", [rank_command(topo, r, MASTER_PORT + len(optimizers), argv) for r in range(ranks)], logs)
+            comm = _last_json(logs[0])
+
+    logs = {name: read_run(out / name) for name in optimizers}
+    target = logs["adam"].final("val_loss") if "adam" in logs else None
+    rows = [summarize(logs[row["optimizer"]], target) | row for row in rows]
+    add_speedups(rows)
+    result |= {"target_val_loss": target, "runs": rows, "comm": comm}
+    (out / "netsim.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
+def _last_json(log: Path) -> dict:
+    """The JSON object rank 0 of `bench comm --json` printed last."""
+    for line in reversed(log.read_text(errors="replace").splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RankFailed(f"bench comm printed no JSON (log: {log}).")
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def _times(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def format_netsim(result: dict):
+    """The optimizers side by side, then the bench comm rows, for the CLI to print."""
+    from rich.console import Group
+    from rich.table import Table
+
+    latency = f"{result['latency_s'] * 1e3:g} ms latency" if result["latency_s"] else "no added latency"
+    parts = []
+    rows = result["runs"]
+    if rows:
+        target = result["target_val_loss"]
+        table = Table(title=f"{result['recipe']} on {result['ranks']} ranks, {result['bandwidth']} links, {latency}",
+                      caption=f"target: Adam's final val_loss {target:.4f}; speed-ups against Adam; bytes sent: the optimizer's count, on the wire: the veth's" if target is not None else "no Adam run: no target, no speed-ups")  # fmt: skip
+        table.add_column("")
+        for row in rows:
+            table.add_column(TITLES[row["optimizer"]], justify="right")
+
+        def reached(r):
+            return "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s (step {r['step_to_target']})"
+
+        lines = [
+            ("steps", lambda r: f"{r['steps']:,}"),
+            ("median step time", lambda r: f"{r['median_step_s'] * 1e3:.0f} ms"),
+            ("tokens / s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+            ("bits / param / step", lambda r: f"{r['bits_per_param']:.3f}"),
+            ("rounds", lambda r: f"{r['rounds']:,}"),
+            ("bytes sent / rank", lambda r: _bytes(r["bytes_sent_per_rank"])),
+            ("bytes on the wire / rank", lambda r: _bytes(r["wire_bytes_per_rank"])),
+            ("final val_loss", lambda r: "-" if r["final_val_loss"] is None else f"{r['final_val_loss']:.4f}"),
+            ("wall time", lambda r: f"{r['wall_time_s']:.1f} s"),
+            ("time to target", reached),
+            ("speed-up: wall time", lambda r: _times(r["speedup_wall"])),
+            ("speed-up: time to target", lambda r: _times(r["speedup_time_to_target"])),
+        ]
+        for label, cell in lines:
+            table.add_row(label, *(cell(r) for r in rows))
+        parts.append(table)
+    if result["comm"]:
+        table = Table(title=f"bench comm over the same links: fp32 vs 1-bit allreduce, median of {result['comm']['repeats']}")
+        for name in ("elements", "fp32 s", "1-bit s", "speed-up", "fp32 bytes / rank", "1-bit bytes / rank"):
+            table.add_column(name, justify="right")
+        for r in result["comm"]["results"]:
+            table.add_row(f"{r['numel']:,}", f"{r['allreduce_fp32_s']:.4f}", f"{r['onebit_s']:.4f}", f"{r['speedup']:.2f}x",
+                          _bytes(r["fp32_bytes_per_rank"]), _bytes(r["onebit_bytes_per_rank"]))  # fmt: skip
+        parts.append(table)
+    return Group(*parts)
