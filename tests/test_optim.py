@@ -140,6 +140,29 @@ def test_weight_decay_only_shrinks_zero_gradient_rows():
     torch.testing.assert_close(rows, decayed_rows, rtol=1e-6, atol=1e-7)
 
 
+def _largest_steps(rank, world_size, steps):
+    """Largest |step| / lr of each half of one tensor: half its coordinates get gradients of size 1,
+    half of size 1e-4 (a rarely used embedding row next to busy ones), compressed every step."""
+    x = torch.nn.Parameter(torch.zeros(4096))
+    lr = 0.01
+    opt = ZeroOneAdam([x], lr=lr, bias_correction=True, var_freeze_step=steps, var_update_scaler=1)  # variance at 0, 1, 3, 7, ...
+    largest = torch.zeros(2)
+    for t in range(steps):
+        g = torch.Generator().manual_seed(100 * rank + t)
+        x.grad = torch.randn(4096, generator=g) * torch.cat([torch.ones(2048), torch.full((2048,), 1e-4)])
+        before = x.detach().clone()
+        opt.step()
+        largest = torch.maximum(largest, (x.detach() - before).abs().view(2, -1).amax(dim=1) / lr)
+    return largest
+
+
+def test_compressed_steps_keep_rare_coordinates_at_adams_step_size():
+    # Adam moves every coordinate by about lr however small its gradients; a 1-bit gradient of one
+    # scale per row would give the rare half the busy half's size, divided by its small sqrt(v).
+    largest = run_ranks(_largest_steps, 2, 40)[0]
+    assert largest.max() < 6, largest
+
+
 def _momentum_under_weight_decay(rank, world_size, weight_decay):
     x = torch.nn.Parameter(torch.ones(64))
     opt = ZeroOneAdam([x], lr=0.01, weight_decay=weight_decay, var_freeze_step=4, var_update_scaler=1, local_steps="fixed", local_step_interval=2)
