@@ -1,6 +1,6 @@
 """CommLedger: what every collective issued through zoa_train.comm cost, per step and in total.
 
-Conventions (docs/zero-one-adam.md, "Counting"): nominal bits per parameter per step are the
+Conventions (docs/algorithm.md, "Counting"): nominal bits per parameter per step are the
 payload bits of each element sent (32 fp32, 16 fp16/bf16, 1 for a 1-bit round, 0 for a local step),
 summed over the step's collectives and divided by the number of parameters; a round is a step with
 any data-parallel communication; bytes are what this rank sends, scales, padding and both passes

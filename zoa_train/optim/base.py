@@ -22,7 +22,7 @@ class StepRecord:
     step: int
     synced: bool  # parameters are identical on all ranks after this step
     variance_updated: bool
-    bits_per_param: float  # nominal, docs/zero-one-adam.md "Counting"
+    bits_per_param: float  # nominal, docs/algorithm.md "Counting"
     bytes_sent: int
     interval: int = 1
 

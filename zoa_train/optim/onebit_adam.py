@@ -1,4 +1,4 @@
-"""OneBitAdam (Tang et al. 2021), the 1-bit baseline (docs/zero-one-adam.md, "1-bit Adam").
+"""OneBitAdam (Tang et al. 2021), the 1-bit baseline (docs/algorithm.md, "1-bit Adam").
 
 Full-precision data-parallel Adam for `freeze_step` steps; then the variance is frozen and the
 local momentum m = b1*m + (1-b1)*g is averaged through the error-compensated 1-bit allreduce

@@ -1,6 +1,6 @@
 """Communication plan: what Adam, 1-bit Adam and 0/1 Adam would send over a whole run, without running it.
 
-The counts follow docs/zero-one-adam.md "Counting" and the optimizers' own ledgers, so a plan can be
+The counts follow docs/algorithm.md "Counting" and the optimizers' own ledgers, so a plan can be
 checked against a real run:
   adam          one full-precision allreduce every step (allreduce_bits each), |T_v| = steps
   onebit_adam   full precision for t < freeze_step, then one 1-bit allreduce per step; |T_v| = min(freeze_step, steps)

@@ -1,4 +1,4 @@
-"""The two schedules of 0/1 Adam (docs/zero-one-adam.md, "Schedules"), shared by the optimizer and `plan`.
+"""The two schedules of 0/1 Adam (docs/algorithm.md, "Schedules"), shared by the optimizer and `plan`.
 
 T_v (variance updates): k_0 = 0, k_{j+1} - k_j = 2^floor(j / kappa), none at or after var_freeze_step.
 T_u (syncs): interval 1 before the freeze; after it, by policy:

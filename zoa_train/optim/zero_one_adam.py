@@ -1,28 +1,36 @@
-"""ZeroOneAdam: 0/1 Adam (Lu et al., ICLR 2023, Algorithm 1; docs/zero-one-adam.md).
+"""ZeroOneAdam: 0/1 Adam (Lu et al., ICLR 2023, Algorithm 1; docs/algorithm.md).
 
-Per step t with lr gamma (divided by 1 - b1^(t+1) when bias_correction is on):
+Per step t with lr gamma (divided by 1 - b1^(t+1) when bias_correction is on) and the shared
+denominator d = sqrt(v)+eps (identical on every rank: v only changes on full-precision steps):
   variance step (t in T_v): g_bar = full-precision allreduce of the gradients;
-      v <- b2*v + (1-b2)*g_bar^2; m <- b1*m + (1-b1)*g_bar; x <- x - gamma*m/(sqrt(v)+eps).
+      v <- b2*v + (1-b2)*g_bar^2; m <- b1*m + (1-b1)*g_bar; x <- x - gamma*m/d.
       Using g_bar for the momentum too (as the authors' implementation does) makes the step a
       sync without a 1-bit round: m, v and x are identical on all ranks afterwards.
-  other steps: m <- b1*m + (1-b1)*g (local); w <- w + gamma*m/denom; x <- x - gamma*m/denom (local step).
-  sync step (t in T_u): w_bar = 1-bit allreduce of w;  x <- decay*x_anchor - w_bar;
-      m <- w_bar*denom / sum(gamma since the last sync); w <- 0; x_anchor <- x.
-w is the paper's u divided by the shared denominator denom = sqrt(v)+eps: the same on every rank
-between syncs, so averaging w is averaging u, and with an exact allreduce this is Algorithm 1 to
-the last bit of rounding. What changes is what the 1-bit compressor sees: a displacement, whose
-coordinates are all of Adam's O(lr) size, instead of u, whose coordinates span the range of the
-gradients. One scale per row of 512K coordinates then fits every coordinate, whereas compressing
-u gives a rarely-active coordinate (small v) noise of the average size, which the division by its
-small denom turns into a large step; on small models this diverged in our tests.
-x_anchor (x after the last sync), w_bar and denom are identical on every rank, so x and m are
-bit-identical after every sync. Weight decay is decoupled: the local steps apply it to x, and the
-sync applies the product of the (1 - lr*wd) factors since the anchor; it never enters u or m.
+  step with sync interval 1 (before the freeze, and until local steps begin):
+      g_bar = 1-bit allreduce of g/d, times d;  m <- b1*m + (1-b1)*g_bar;  x <- x - gamma*m/d.
+  local-step period (interval > 1): m <- b1*m + (1-b1)*g (local); w <- w + gamma*m/d;
+      x <- x - gamma*m/d (local step); at its sync step: w_bar = 1-bit allreduce of w;
+      x <- decay*x_anchor - w_bar;  m <- w_bar*d / sum(gamma since the last sync);  w <- 0.
+With an exact allreduce every form is Algorithm 1 to the last bit of rounding (tests check it).
+What differs is what the 1-bit compressor sees and where its error goes:
+- Compressing the displacement w on every step (Algorithm 1 as written) puts the compression
+  error into the rebuilt momentum, which feeds it back for ~1/(1-b1) steps. Averaging the gradient
+  in 1-bit on those steps (the authors' implementation before the freeze) trained as well as an
+  exact allreduce on gpt2_tiny, where the displacement form lagged (docs/results.md). The two
+  forms' errors mean different things, so the error buffers are reset when the form changes.
+- Both are divided by d first, so every coordinate is of Adam's O(gamma) step size: compressing
+  the raw gradient (or u) gives a rarely active coordinate (small v) noise of the row's average
+  size, which the division by its small d turns into a large step (16x lr in a test; divergence on
+  gpt2_tiny at the first local step).
+x_anchor (x after the last sync), w_bar, g_bar and d are identical on every rank, so x and m are
+bit-identical after every sync. Weight decay is decoupled: it never enters u, w or m; a
+local-step period applies the product of its (1 - lr*wd) factors at the sync.
 w lives in the 1-bit allreduce's own error buffer (its accumulator), so the persistent state is
-m, v, x_anchor, the worker buffer and the server chunk: 4 + 1/n fp32 copies of the model.
+m, v, x_anchor, the worker buffer and the server chunk: 4 + 1/n fp32 copies of the model, laid
+out as the 1-bit allreduce lays out the group (each tensor on its own scale rows).
 Parameters whose variance is exactly zero (zero gradient at every variance step) do not move and
-add nothing to w (infinite denominator, see DataParallelOptimizer._denominator). Once no variance update can
-come (t >= var_freeze_step) v is replaced in place by its denominator, saving two passes per step.
+add nothing to what is compressed (infinite denominator, see DataParallelOptimizer._denominator).
+Once no variance update can come (t >= var_freeze_step) v is replaced in place by d.
 """
 
 import torch
