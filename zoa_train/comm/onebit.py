@@ -12,8 +12,8 @@ Rows follow the tensors. The buffer is laid out from a list of tensor sizes (`on
 every tensor of at least a row starts on a row boundary, and a run of smaller tensors (biases,
 norms) is packed from one, so no scale is shared by an embedding matrix and a dense layer, whose
 magnitudes and sparsity differ. A sign costs no more for a zero than for a nonzero, so the scale is
-what keeps a sparse embedding gradient from being drowned by (or drowning) its neighbours: one scale
-per 512K elements spanning both cost 0/1 Adam 9-12% of loss on gpt2_tiny (docs/results.md). The
+what keeps a sparse embedding gradient from being drowned by (or drowning) its neighbours (on
+gpt2_tiny, rows cut across tensors trained 0/1 Adam worse: docs/results.md, ablation 1). The
 padding after each tensor run and at the end carries no value: it is excluded from the scales,
 its error stays zero, and it is zero in the output, so optimizers keep their state in this layout.
 
@@ -35,7 +35,7 @@ from zoa_train.comm.collectives import default_ledger, group_size_rank
 from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.packing import BLOCK, pack_flags, unpack_flags, unpack_rows
 
-SCALE_ROW = 1 << 12  # most elements sharing one scale (docs/results.md: how the size was chosen)
+SCALE_ROW = 1 << 12  # most elements sharing one scale: a power of two, so most layers fill whole rows
 # Rows are a multiple of 32 elements, so a chunk's packed signs are a whole number of fp32 words
 # and the scales behind them can be viewed as fp32 in place.
 _ROW_ALIGN = 32
