@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoa_train.errors import UserError
-from zoa_train.optim.plan import OPTIMIZERS, TITLES, parse_bandwidth, parse_latency
+from zoa_train.optim.plan import OPTIMIZERS, format_bytes, optimizer_table, parse_bandwidth, parse_latency
 from zoa_train.runs import RunLog, first_reaching, read_run
 
 SUBNET = "10.231.0"  # rank r is SUBNET.(r+1)/24, only ever inside this invocation's namespaces
@@ -406,13 +406,6 @@ def _last_json(log: Path) -> dict:
 # ---- the table ------------------------------------------------------------------------------------------
 
 
-def _bytes(n: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
 def _times(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
@@ -427,11 +420,8 @@ def format_netsim(result: dict):
     rows = result["runs"]
     if rows:
         target = result["target_val_loss"]
-        table = Table(title=f"{result['recipe']} on {result['ranks']} ranks, {result['bandwidth']} links, {latency}",
-                      caption=f"target: Adam's final val_loss {target:.4f}; speed-ups against Adam; bytes sent: the optimizer's count, on the wire: the veth's" if target is not None else "no Adam run: no target, no speed-ups")  # fmt: skip
-        table.add_column("")
-        for row in rows:
-            table.add_column(TITLES[row["optimizer"]], justify="right")
+        title = f"{result['recipe']} on {result['ranks']} ranks, {result['bandwidth']} links, {latency}"
+        caption = f"target: Adam's final val_loss {target:.4f}; speed-ups against Adam; bytes sent: the optimizer's count, on the wire: the veth's" if target is not None else "no Adam run: no target, no speed-ups"  # fmt: skip
 
         def reached(r):
             return "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f} s (step {r['step_to_target']})"
@@ -442,23 +432,21 @@ def format_netsim(result: dict):
             ("tokens / s", lambda r: f"{r['tokens_per_s']:,.0f}"),
             ("bits / param / step", lambda r: f"{r['bits_per_param']:.3f}"),
             ("rounds", lambda r: f"{r['rounds']:,}"),
-            ("bytes sent / rank", lambda r: _bytes(r["bytes_sent_per_rank"])),
-            ("bytes on the wire / rank", lambda r: _bytes(r["wire_bytes_per_rank"])),
+            ("bytes sent / rank", lambda r: format_bytes(r["bytes_sent_per_rank"])),
+            ("bytes on the wire / rank", lambda r: format_bytes(r["wire_bytes_per_rank"])),
             ("final val_loss", lambda r: "-" if r["final_val_loss"] is None else f"{r['final_val_loss']:.4f}"),
             ("wall time", lambda r: f"{r['wall_time_s']:.1f} s"),
             ("time to target", reached),
             ("speed-up: wall time", lambda r: _times(r["speedup_wall"])),
             ("speed-up: time to target", lambda r: _times(r["speedup_time_to_target"])),
         ]
-        for label, cell in lines:
-            table.add_row(label, *(cell(r) for r in rows))
-        parts.append(table)
+        parts.append(optimizer_table(title, caption, [(r["optimizer"], r) for r in rows], lines))
     if result["comm"]:
         table = Table(title=f"bench comm over the same links: fp32 vs 1-bit allreduce, median of {result['comm']['repeats']}")
         for name in ("elements", "fp32 s", "1-bit s", "speed-up", "fp32 bytes / rank", "1-bit bytes / rank"):
             table.add_column(name, justify="right")
         for r in result["comm"]["results"]:
             table.add_row(f"{r['numel']:,}", f"{r['allreduce_fp32_s']:.4f}", f"{r['onebit_s']:.4f}", f"{r['speedup']:.2f}x",
-                          _bytes(r["fp32_bytes_per_rank"]), _bytes(r["onebit_bytes_per_rank"]))  # fmt: skip
+                          format_bytes(r["fp32_bytes_per_rank"]), format_bytes(r["onebit_bytes_per_rank"]))  # fmt: skip
         parts.append(table)
     return Group(*parts)

@@ -20,7 +20,7 @@ zero, while bits, rounds and syncs stay the schedule's nominal counts.
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.table import Table
 
@@ -221,7 +221,7 @@ def parse_latency(text: str | float) -> float:
     return value * scale
 
 
-def _bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
@@ -253,17 +253,13 @@ def format_plan(result: dict[str, dict]) -> Table:
             f"0/1 Adam: |T_v| {zoa['variance_updates']:,} (bound log(1-b1)/log(b2) = {zoa['variance_update_bound']:,.0f}), "
             f"largest sync interval {zoa['max_interval']}"
         )
-    table = Table(title=title, caption=caption)
-    table.add_column("")
-    for name in names:
-        table.add_column(TITLES[name], justify="right")
     base = result.get("adam")
     rows = [
         ("|T_v| (variance updates)", lambda r: f"{r['variance_updates']:,}"),
         ("rounds", lambda r: f"{r['rounds']:,}"),
         ("syncs", lambda r: f"{r['syncs']:,}"),
         ("bits / param / step", lambda r: f"{r['bits_per_param']:.3f}"),
-        ("bytes / rank", lambda r: _bytes(r["bytes_per_rank"])),
+        ("bytes / rank", lambda r: format_bytes(r["bytes_per_rank"])),
         ("predicted comm time", lambda r: _seconds(r["comm_time_s"])),
     ]
     if base:
@@ -273,6 +269,15 @@ def format_plan(result: dict[str, dict]) -> Table:
             ("bytes vs Adam", lambda r: _ratio(r["bytes_per_rank"], base["bytes_per_rank"])),
             ("comm time vs Adam", lambda r: _ratio(r["comm_time_s"], base["comm_time_s"])),
         ]
-    for label, cell in rows:
-        table.add_row(label, *(cell(result[name]) for name in names))
+    return optimizer_table(title, caption, [(name, result[name]) for name in names], rows)
+
+
+def optimizer_table(title: str, caption: str | None, columns: list[tuple[str, dict]], lines: list[tuple[str, Callable[[dict], str]]]) -> Table:
+    """Optimizers side by side: one column per (optimizer name, its record), one row per (label, cell formatter)."""
+    table = Table(title=title, caption=caption)
+    table.add_column("")
+    for name, _ in columns:
+        table.add_column(TITLES[name], justify="right")
+    for label, cell in lines:
+        table.add_row(label, *(cell(record) for _, record in columns))
     return table
