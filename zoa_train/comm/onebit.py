@@ -159,6 +159,11 @@ class _Block(NamedTuple):
     padding: torch.Tensor | None  # indices of the padding within `values`, if any
 
 
+def _padding_index(valid: torch.Tensor, row: int) -> torch.Tensor:
+    """Positions of the padding in consecutive rows of `row` elements whose first `valid[r]` are real."""
+    return (torch.arange(row).expand(valid.numel(), row) >= valid.view(-1, 1)).view(-1).nonzero().view(-1)
+
+
 def _rows_per_block(layout: OneBitLayout, device: torch.device, block_size: int | None) -> int:
     if block_size is None:
         block_size = BLOCK if device.type == "cpu" else _DEVICE_BLOCK
@@ -203,8 +208,7 @@ class OneBitAllReduce:
         # sqrt of the number of real elements in each row, for the RMS; >= 1.
         row_norm = valid.clamp(min=1).to(torch.float32).sqrt().to(self.device)
         # Every padding position of the buffer, to zero the output's padding after a call.
-        padding = torch.arange(row, dtype=torch.int64).expand(n * rows, row) >= valid.view(-1, 1)
-        self._padding = padding.view(-1).nonzero().view(-1).to(self.device)
+        self._padding = _padding_index(valid.view(-1), row).to(self.device)
         send = self._segments(self._send)
         recv = self._segments(self._recv)
         gathered = self._segments(self._gathered)
@@ -234,7 +238,7 @@ class OneBitAllReduce:
             last = min(first + self._block_rows, self.layout.rows)
             offset, length = first * row, (last - first) * row
             block_scales = scales[first:last]
-            padding = (torch.arange(row).expand(last - first, row) >= valid[first:last].view(-1, 1)).view(-1).nonzero().view(-1)
+            padding = _padding_index(valid[first:last], row)
             blocks.append(
                 _Block(
                     offset=offset,

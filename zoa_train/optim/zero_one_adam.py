@@ -97,35 +97,30 @@ class ZeroOneAdam(DataParallelOptimizer):
             m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
             params, m_views = flat.params, flat.views(m)
 
-            if decision.variance_update:
-                grad = self._allreduce(flat, flat.flat_grad())
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                m.lerp_(grad, 1 - beta1)
-                if wd:
-                    torch._foreach_mul_(params, 1 - lr * wd)
-                torch._foreach_addcdiv_(params, m_views, flat.views(self._denominator_of(index, group)), value=-step_size)
-                torch._foreach_copy_(flat.views(buffers["anchor"]), params)
-                scalars.update(lr_sum=0.0, decay=1.0)
-                continue
-
-            local_period = decision.interval > 1 or scalars["lr_sum"] > 0  # local steps taken or to come
+            local_period = not decision.variance_update and (decision.interval > 1 or scalars["lr_sum"] > 0)
             if local_period != bool(scalars["displacement"]):
                 # What the 1-bit allreduce compresses changes meaning: its carried errors do not carry over.
                 self._comms[index].reset()
                 scalars["displacement"] = int(local_period)
-            if not local_period:
-                # A step that syncs anyway: m <- b1*m + (1-b1)*C(g/denom)*denom. The gradient goes
-                # through the 1-bit allreduce divided by the shared denominator, so that every
-                # coordinate is of Adam's step size and a rarely active one (small v) gets no
-                # average-size noise that its small denominator would turn into a large step.
-                denom = self._denominator_of(index, group)
-                grad = self._comms[index].op(flat.flat_grad().div_(denom))
-                grad.mul_(denom).masked_fill_(denom == float("inf"), 0.0)
+            if not local_period:  # a step that syncs: every rank gets the same averaged gradient
+                if decision.variance_update:
+                    grad = self._allreduce(flat, flat.flat_grad())
+                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                    denom = self._denominator_of(index, group)
+                else:
+                    # m <- b1*m + (1-b1)*C(g/d)*d: the gradient goes through the 1-bit allreduce
+                    # divided by the shared denominator, so that every coordinate is of Adam's step
+                    # size and a rarely active one (small v) gets no average-size noise that its
+                    # small denominator would turn into a large step.
+                    denom = self._denominator_of(index, group)
+                    grad = self._comms[index].op(flat.flat_grad().div_(denom))
+                    grad.mul_(denom).masked_fill_(denom == float("inf"), 0.0)
                 m.lerp_(grad, 1 - beta1)
                 if wd:
                     torch._foreach_mul_(params, 1 - lr * wd)
                 torch._foreach_addcdiv_(params, m_views, flat.views(denom), value=-step_size)
                 torch._foreach_copy_(flat.views(buffers["anchor"]), params)
+                scalars.update(lr_sum=0.0, decay=1.0)
                 continue
 
             grads, with_grad, without = flat.split_by_grad(m_views)
