@@ -4,11 +4,13 @@ cases, the unit parsers, and agreement with what ZeroOneAdam actually decides st
 import io
 import math
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from rich.console import Console
 
+from zoa_train.config import load_recipe
 from zoa_train.errors import UserError
 from zoa_train.optim import LRSchedule, ZeroOneAdam
 from zoa_train.optim.plan import (
@@ -292,3 +294,9 @@ def test_plan_decisions_match_zero_one_adam(policy):
     assert summary["syncs"] == sum(synced for _, synced, _, _ in actual)
     assert summary["variance_updates"] == sum(updated for _, _, updated, _ in actual)
     assert summary["max_interval"] == max(interval for *_, interval in actual)
+
+
+@pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[1].glob("recipes/*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_recipe_is_valid(path):
+    recipe = load_recipe(path)
+    assert recipe.train.global_batch_size % recipe.train.micro_batch_size == 0
