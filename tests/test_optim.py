@@ -32,9 +32,6 @@ class ExactAllReduce:
     def op(self, tensor):
         return self.exchange(tensor.view(-1), addend=tensor.view(-1).clone())
 
-    def reset(self):
-        self._acc.zero_()
-
 
 def quadratic_problem(rank: int, step: int):
     """Rank- and step-dependent least squares: grad = A^T (A x - b)."""

@@ -288,11 +288,6 @@ class OneBitAllReduce:
         """The server error e_s of this rank's chunk, as a new tensor."""
         return self._server.clone()
 
-    def reset(self) -> None:
-        """Forget the carried errors (when what is compressed changes meaning)."""
-        self._worker.zero_()
-        self._server.zero_()
-
     def op(self, tensor: torch.Tensor) -> torch.Tensor:
         """Average `tensor` (a buffer in the layout) in place over the group, error-compensated,
         and return it."""

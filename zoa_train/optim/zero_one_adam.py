@@ -6,22 +6,20 @@ denominator d = sqrt(v)+eps (identical on every rank: v only changes on full-pre
       v <- b2*v + (1-b2)*g_bar^2; m <- b1*m + (1-b1)*g_bar; x <- x - gamma*m/d.
       Using g_bar for the momentum too (as the authors' implementation does) makes the step a
       sync without a 1-bit round: m, v and x are identical on all ranks afterwards.
-  step with sync interval 1 (before the freeze, and until local steps begin):
-      g_bar = 1-bit allreduce of g/d, times d;  m <- b1*m + (1-b1)*g_bar;  x <- x - gamma*m/d.
-  local-step period (interval > 1): m <- b1*m + (1-b1)*g (local); w <- w + gamma*m/d;
-      x <- x - gamma*m/d (local step); at its sync step: w_bar = 1-bit allreduce of w;
-      x <- decay*x_anchor - w_bar;  m <- w_bar*d / sum(gamma since the last sync);  w <- 0.
-With an exact allreduce every form is Algorithm 1 to the last bit of rounding (tests check it).
-What differs is what the 1-bit compressor sees and where its error goes:
-- Compressing the displacement w on every step (Algorithm 1 as written) puts the compression
-  error into the rebuilt momentum, which feeds it back for ~1/(1-b1) steps. Averaging the gradient
-  in 1-bit on those steps (the authors' implementation before the freeze) trained as well as an
-  exact allreduce on gpt2_tiny, where the displacement form lagged (docs/results.md). The two
-  forms' errors mean different things, so the error buffers are reset when the form changes.
-- Both are divided by d first, so every coordinate is of Adam's O(gamma) step size: compressing
-  the raw gradient (or u) gives a rarely active coordinate (small v) noise of the row's average
-  size, which the division by its small d turns into a large step (16x lr in a test; divergence on
-  gpt2_tiny at the first local step).
+  every other step (Algorithm 1 as written; a sync interval of 1 before the freeze):
+      m <- b1*m + (1-b1)*g (local);  w <- w + gamma*m/d;  x <- x - gamma*m/d (local step);
+      at a sync step: w_bar = 1-bit allreduce of w;  x <- decay*x_anchor - w_bar;
+      m <- w_bar*d / sum(gamma since the last sync);  w <- 0.
+With an exact allreduce this is Algorithm 1 to the last bit of rounding (tests check it).
+What the 1-bit compressor sees is w = sum of gamma*m/d: a momentum (identical on all ranks but for
+the last (1-b1)*g terms), in Adam's normalised units. That is what makes 1 bit enough:
+- the momentum changes slowly, so its signs and row scales do too and the compression error is
+  small next to it (1-bit Adam compresses the momentum for the same reason). Compressing the noisy
+  gradient g/d on the steps before the freeze instead (the authors' implementation) ended 9%
+  above Adam on gpt2_tiny stretched to 1,200 steps where this form ends within 1% (docs/results.md);
+- dividing by d first gives every coordinate Adam's O(gamma) step size: compressing the raw
+  gradient gives a rarely active coordinate (small v) noise of the row's average size, which the
+  division by its small d turns into a large step (16x lr in a test; divergence on gpt2_tiny).
 x_anchor (x after the last sync), w_bar, g_bar and d are identical on every rank, so x and m are
 bit-identical after every sync. Weight decay is decoupled: it never enters u, w or m; a
 local-step period applies the product of its (1 - lr*wd) factors at the sync.
@@ -74,7 +72,7 @@ class ZeroOneAdam(DataParallelOptimizer):
             # Holds v until the freeze and then its final denominator sqrt(v/bc2)+eps.
             buffers["exp_avg_sq"] = flat.zeros()
             buffers["anchor"] = flat.flatten([p.detach() for p in flat.params])
-            scalars.update(lr_sum=0.0, decay=1.0, frozen=0, displacement=0)
+            scalars.update(lr_sum=0.0, decay=1.0, frozen=0)
 
     def synchronize(self) -> None:
         """Sync now if local steps are pending (e.g. before a final evaluation), so all ranks agree."""
@@ -97,28 +95,13 @@ class ZeroOneAdam(DataParallelOptimizer):
             m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
             params, m_views = flat.params, flat.views(m)
 
-            local_period = not decision.variance_update and (decision.interval > 1 or scalars["lr_sum"] > 0)
-            if local_period != bool(scalars["displacement"]):
-                # What the 1-bit allreduce compresses changes meaning: its carried errors do not carry over.
-                self._comms[index].reset()
-                scalars["displacement"] = int(local_period)
-            if not local_period:  # a step that syncs: every rank gets the same averaged gradient
-                if decision.variance_update:
-                    grad = self._allreduce(flat, flat.flat_grad())
-                    v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                    denom = self._denominator_of(index, group)
-                else:
-                    # m <- b1*m + (1-b1)*C(g/d)*d: the gradient goes through the 1-bit allreduce
-                    # divided by the shared denominator, so that every coordinate is of Adam's step
-                    # size and a rarely active one (small v) gets no average-size noise that its
-                    # small denominator would turn into a large step.
-                    denom = self._denominator_of(index, group)
-                    grad = self._comms[index].op(flat.flat_grad().div_(denom))
-                    grad.mul_(denom).masked_fill_(denom == float("inf"), 0.0)
+            if decision.variance_update:  # a sync: every rank gets the same averaged gradient
+                grad = self._allreduce(flat, flat.flat_grad())
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 m.lerp_(grad, 1 - beta1)
                 if wd:
                     torch._foreach_mul_(params, 1 - lr * wd)
-                torch._foreach_addcdiv_(params, m_views, flat.views(denom), value=-step_size)
+                torch._foreach_addcdiv_(params, m_views, flat.views(self._denominator_of(index, group)), value=-step_size)
                 torch._foreach_copy_(flat.views(buffers["anchor"]), params)
                 scalars.update(lr_sum=0.0, decay=1.0)
                 continue
