@@ -93,13 +93,13 @@ def test_exact_compressor_zero_one_adam_follows_algorithm_1_through_freeze_and_l
         torch.testing.assert_close(ranks[r][1], ms[r], rtol=1e-5, atol=1e-5)
 
 
-def _sync_invariants(rank, world_size, weight_decay):
+def _sync_invariants(rank, world_size, weight_decay, update_clip=None):
     torch.manual_seed(0)  # the same init everywhere; the optimizer broadcasts rank 0's anyway
     emb = torch.nn.Embedding(20, 6)
     head = torch.nn.Linear(6, 3)
     frozen_rows = emb.weight.detach()[10:].clone()
     params = [{"params": emb.parameters()}, {"params": head.parameters(), "lr": 0.02}, {"params": []}]
-    opt = ZeroOneAdam(params, lr=0.05, weight_decay=weight_decay, var_freeze_step=8, var_update_scaler=2, local_steps="fixed", local_step_interval=3)
+    opt = ZeroOneAdam(params, lr=0.05, weight_decay=weight_decay, var_freeze_step=8, var_update_scaler=2, local_steps="fixed", local_step_interval=3, update_clip=update_clip)
     lr_products = torch.ones(())
     snapshots = []
     for t in range(30):
@@ -119,9 +119,10 @@ def _sync_invariants(rank, world_size, weight_decay):
     return snapshots, emb.weight.detach()[10:].clone(), frozen_rows * lr_products, opt.ledger.average_bits_per_param
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_real_compression_keeps_ranks_bit_identical_and_zero_gradient_rows_still(world_size):
-    ranks = run_ranks(_sync_invariants, world_size, 0.0)
+@pytest.mark.parametrize("world_size,update_clip", [(2, None), (3, None), (2, 0.05)])
+def test_real_compression_keeps_ranks_bit_identical_and_zero_gradient_rows_still(world_size, update_clip):
+    # update_clip 0.05 clips nearly every step, each rank by its own factors.
+    ranks = run_ranks(_sync_invariants, world_size, 0.0, update_clip)
     steps = [t for t, _, _ in ranks[0][0]]
     assert len(steps) >= 12 and any(b - a == 3 for a, b in zip(steps, steps[1:]))  # local steps happened
     for r in range(1, world_size):
@@ -158,6 +159,35 @@ def test_compressed_steps_keep_rare_coordinates_at_adams_step_size():
     # scale per row would give the rare half the busy half's size, divided by its small sqrt(v).
     largest = run_ranks(_largest_steps, 2, 40)[0]
     assert largest.max() < 6, largest
+
+
+def _steps_after_a_gradient_jump(rank, world_size, update_clip):
+    """RMS of each step / lr after the gradient grows 1,000x on steps whose v predates it."""
+    x = torch.nn.Parameter(torch.zeros(4096))
+    lr = 0.01
+    opt = ZeroOneAdam([x], lr=lr, var_freeze_step=4, var_update_scaler=1, local_steps="fixed", local_step_interval=1, update_clip=update_clip)
+    sizes = []
+    for t in range(8):  # variance steps at 0, 1, 3; 1-bit syncs from step 2 on (but 3)
+        g = torch.Generator().manual_seed(100 * rank + t)
+        x.grad = torch.randn(4096, generator=g) * (1e-3 if t < 4 else 1.0)
+        before = x.detach().clone()
+        opt.step()
+        sizes.append(float((x.detach() - before).pow(2).mean().sqrt() / lr))
+    return sizes[4:]
+
+
+def test_update_clip_bounds_steps_taken_with_a_stale_variance():
+    # Adam's step is about lr whatever the gradient does; with v from before a 1,000x jump, m/d
+    # is ~100 per coordinate until v catches up, which after the freeze it never does.
+    unclipped = run_ranks(_steps_after_a_gradient_jump, 2, None)[0]
+    clipped = run_ranks(_steps_after_a_gradient_jump, 2, 1.0)[0]
+    assert min(unclipped) > 20, unclipped
+    assert max(clipped) < 1.5, clipped
+
+
+def test_update_clip_must_be_positive():
+    with pytest.raises(ValueError, match="update_clip"):
+        ZeroOneAdam([torch.nn.Parameter(torch.zeros(2))], update_clip=0.0)
 
 
 def _momentum_under_weight_decay(rank, world_size, weight_decay):

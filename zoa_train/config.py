@@ -59,6 +59,7 @@ class OptimizerConfig:
     local_step_clip: int = 16  # H: the largest sync interval
     local_step_scaler: int = 32678  # "steps" policy: steps per doubling of the interval
     local_step_interval: int = 1  # "fixed" policy
+    update_clip: float | None = None  # 0/1 Adam: largest RMS of a tensor's m/d on steps with a stale v; null: none
 
     def schedule_knobs(self) -> dict:
         """The ZeroOneSchedule keyword arguments, shared by the trainer and `plan`."""
@@ -236,6 +237,8 @@ def _check(recipe: Recipe, origin: str) -> None:
     for key, value in non_negative.items():
         if value < 0:
             raise UserError(f"{origin}: {key} must be >= 0, not {value}.")
+    if o.update_clip is not None and not o.update_clip > 0:
+        raise UserError(f"{origin}: optimizer.update_clip must be positive or null, not {o.update_clip}.")
     if not all(0 <= b < 1 for b in o.betas):
         raise UserError(f"{origin}: optimizer.betas must both be in [0, 1), not {list(o.betas)}.")
     if not 0 < recipe.schedule.decay_factor <= 1:

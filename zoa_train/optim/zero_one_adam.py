@@ -56,8 +56,11 @@ class ZeroOneAdam(DataParallelOptimizer):
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
         scale_row: int = SCALE_ROW,
+        update_clip: float | None = None,
     ):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        if update_clip is not None and not update_clip > 0:
+            raise ValueError(f"update_clip must be positive or None, got {update_clip}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, update_clip=update_clip)
         super().__init__(params, defaults, process_group, allreduce_dtype, scale_row)
         self.schedule = ZeroOneSchedule(
             var_freeze_step=var_freeze_step,
@@ -73,6 +76,7 @@ class ZeroOneAdam(DataParallelOptimizer):
             buffers["exp_avg_sq"] = flat.zeros()
             buffers["anchor"] = flat.flatten([p.detach() for p in flat.params])
             scalars.update(lr_sum=0.0, decay=1.0, frozen=0)
+        self._root_numels: dict[int, torch.Tensor] = {}  # per group: sqrt(numel) of each tensor, for _clip
 
     def synchronize(self) -> None:
         """Sync now if local steps are pending (e.g. before a final evaluation), so all ranks agree."""
@@ -110,8 +114,10 @@ class ZeroOneAdam(DataParallelOptimizer):
             torch._foreach_lerp_(with_grad, grads, 1 - beta1)
             if without:
                 torch._foreach_mul_(without, beta1)
-            denom = self._denominator_of(index, group)
-            self._comms[index].accumulator.addcdiv_(m, denom, value=step_size)
+            update = m / self._denominator_of(index, group)  # this step's displacement over gamma
+            if group["update_clip"]:
+                self._clip(index, flat.views(update), group["update_clip"])
+            self._comms[index].accumulator.add_(update, alpha=step_size)
             scalars["lr_sum"] += step_size
             scalars["decay"] *= 1 - lr * wd
             if decision.sync:
@@ -119,8 +125,17 @@ class ZeroOneAdam(DataParallelOptimizer):
             else:
                 if wd:
                     torch._foreach_mul_(params, 1 - lr * wd)
-                torch._foreach_addcdiv_(params, m_views, flat.views(denom), value=-step_size)
+                torch._foreach_add_(params, flat.views(update), alpha=-step_size)
         return decision.sync, decision.variance_update, decision.interval
+
+    def _clip(self, index: int, updates: list[torch.Tensor], limit: float) -> None:
+        """Scale each tensor's update m/d down to an RMS of at most `limit` (Adafactor's update
+        clipping): on these steps v does not hold the current gradient, so a gradient that grows
+        faster than v was last updated would otherwise give steps of unbounded size."""
+        if index not in self._root_numels:
+            self._root_numels[index] = torch.tensor([u.numel() ** 0.5 for u in updates], device=updates[0].device)
+        rms = torch.stack(torch._foreach_norm(updates)).div_(self._root_numels[index])
+        torch._foreach_mul_(updates, list(rms.div_(limit).clamp_(min=1.0).reciprocal_().unbind()))
 
     def _sync_group(self, index: int) -> None:
         """x <- decay*anchor - w_bar and m <- w_bar*denom/lr_sum, from data identical on every rank."""

@@ -131,7 +131,7 @@ class Trainer:
             return DataParallelAdam(groups, **common)
         if o.name == "onebit_adam":
             return OneBitAdam(groups, freeze_step=o.freeze_step, **common)
-        return ZeroOneAdam(groups, **o.schedule_knobs(), **common)
+        return ZeroOneAdam(groups, **o.schedule_knobs(), update_clip=o.update_clip, **common)
 
     # ---- the loop -----------------------------------------------------------------------------
 
