@@ -152,6 +152,7 @@ def test_root_and_iproute2_are_required(monkeypatch):
         (["--latency", "soon"], "latency 'soon' is not understood"),
         (["--comm-sizes", "1X"], "--comm-sizes"),
         (["--set", "train.nope=1"], "unknown key"),
+        (["--margin", "1.5"], "--margin must be a fraction"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(monkeypatch, capsys, tmp_path, args, message):
@@ -221,7 +222,7 @@ def start_netsim(*args: str) -> subprocess.Popen:
 def netsim_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("netsim")
     proc = start_netsim("--ranks", "2", "--bandwidth", "100mbit", "--latency", LATENCY, "--steps", "6", "--comm-sizes", "1M",
-                        "--out", str(out), "--json", *QUICK)  # fmt: skip
+                        "--margin", "0.5", "--out", str(out), "--json", *QUICK)  # fmt: skip
     stdout, stderr = proc.communicate(timeout=400)
     return proc, stdout, stderr, out
 
@@ -242,7 +243,8 @@ def test_every_optimizer_trains_over_the_emulated_links(netsim_run):
         run = read_run(row["run_dir"])  # kept for `zoa-train report`
         assert Path(row["run_dir"]) == out / name and run.optimizer == name and run.final("val_loss") == row["final_val_loss"]
     adam = rows["adam"]
-    assert result["target_val_loss"] == adam["final_val_loss"]
+    assert result["adam_val_loss"] == adam["final_val_loss"] and result["target_margin"] == 0.5
+    assert result["target_val_loss"] == pytest.approx(1.5 * adam["final_val_loss"])
     assert adam["time_to_target_s"] is not None and adam["speedup_wall"] == adam["speedup_time_to_target"] == 1.0
     assert rows["zero_one_adam"]["bits_per_param"] < rows["onebit_adam"]["bits_per_param"] < adam["bits_per_param"]
     assert rows["zero_one_adam"]["rounds"] < rows["onebit_adam"]["rounds"] == adam["rounds"] == 6

@@ -226,6 +226,7 @@ def bench_netsim(
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value in every run: section.key=value (repeatable).")] = [],
     comm_sizes: Annotated[str, typer.Option(help="Element counts for bench comm over the same links (k, M, G suffixes), or none. [default: the model's parameter count]")] = "",
     out: Annotated[Path, typer.Option(help="Run directories OUT/<optimizer> (replaced), rank logs OUT/logs, results OUT/netsim.json. [default: runs/netsim]")] = Path("runs/netsim"),
+    margin: Annotated[float, typer.Option(help="Time to target counts until Adam's final val_loss times 1 + MARGIN is reached, e.g. 0.02 for within 2%. [default: 0]")] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object instead of tables.")] = False,
 ) -> None:
     """Train each optimizer on ranks in network namespaces joined by a bridge over rate-limited, delayed veth links, same recipe and seed.
@@ -238,6 +239,8 @@ def bench_netsim(
     names = parse_optimizers(optimizers)
     if steps < 0:
         fail("--steps must be positive (0 keeps the recipe's train.steps).")
+    if not 0 <= margin < 1:
+        fail(f"--margin must be a fraction in [0, 1), not {margin}.")
     overrides = [*set_, *([f"train.steps={steps}"] if steps else [])]
     if comm_sizes.strip() == "none":
         numels = []
@@ -252,7 +255,7 @@ def bench_netsim(
         fail("--optimizers none and --comm-sizes none leave nothing to run.")
     say = Console(stderr=True).print
     try:
-        result = run_netsim(recipe, overrides, names, ranks, bandwidth, latency, out, numels, progress=lambda m: say(m, highlight=False))
+        result = run_netsim(recipe, overrides, names, ranks, bandwidth, latency, out, numels, progress=lambda m: say(m, highlight=False), margin=margin)
     except RankFailed as e:
         from rich.markup import escape
 

@@ -59,7 +59,7 @@ class OptimizerConfig:
     local_step_clip: int = 16  # H: the largest sync interval
     local_step_scaler: int = 32678  # "steps" policy: steps per doubling of the interval
     local_step_interval: int = 1  # "fixed" policy
-    update_clip: float | None = None  # 0/1 Adam: largest RMS of a tensor's m/d on steps with a stale v; null: none
+    update_clip: float | None = 1.0  # 0/1 Adam: largest RMS of a tensor's m/d on steps with a stale v; null: none
 
     def schedule_knobs(self) -> dict:
         """The ZeroOneSchedule keyword arguments, shared by the trainer and `plan`."""
