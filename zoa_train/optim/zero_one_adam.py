@@ -80,7 +80,7 @@ class ZeroOneAdam(DataParallelOptimizer):
             buffers["exp_avg_sq"] = flat.zeros()
             buffers["anchor"] = flat.flatten([p.detach() for p in flat.params])
             scalars.update(lr_sum=0.0, decay=1.0, frozen=0)
-        self._root_numels: dict[int, torch.Tensor] = {}  # per group: sqrt(numel) of each tensor, for _clip
+        self._root_numels: dict[int, torch.Tensor] = {}  # per group: sqrt(numel) of each tensor, for _clipped
 
     def synchronize(self) -> None:
         """Sync now if local steps are pending (e.g. before a final evaluation), so all ranks agree."""
@@ -118,10 +118,11 @@ class ZeroOneAdam(DataParallelOptimizer):
             torch._foreach_lerp_(with_grad, grads, 1 - beta1)
             if without:
                 torch._foreach_mul_(without, beta1)
-            update = m / self._denominator_of(index, group)  # this step's displacement over gamma
+            denom = self._denominator_of(index, group)
+            numerator = m  # this step's displacement is step_size * numerator / denom
             if group["update_clip"] and t < self.schedule.var_freeze_step:
-                self._clip(index, flat.views(update), group["update_clip"])
-            self._comms[index].accumulator.add_(update, alpha=step_size)
+                numerator = self._clipped(index, flat, m, denom, group["update_clip"])
+            self._comms[index].accumulator.addcdiv_(numerator, denom, value=step_size)
             scalars["lr_sum"] += step_size
             scalars["decay"] *= 1 - lr * wd
             if decision.sync:
@@ -129,19 +130,23 @@ class ZeroOneAdam(DataParallelOptimizer):
             else:
                 if wd:
                     torch._foreach_mul_(params, 1 - lr * wd)
-                torch._foreach_add_(params, flat.views(update), alpha=-step_size)
+                torch._foreach_addcdiv_(params, flat.views(numerator), flat.views(denom), value=-step_size)
         return decision.sync, decision.variance_update, decision.interval
 
-    def _clip(self, index: int, updates: list[torch.Tensor], limit: float) -> None:
-        """Scale each tensor's update m/d down to an RMS of at most `limit` (Adafactor's update
-        clipping). Used before the variance freeze on the steps between variance updates: v does
-        not hold their gradients, and early in training a gradient that outgrows the last v gives
-        steps of unbounded size, which the 1-bit error feedback then replays. After the freeze v
-        is the final preconditioner (as in 1-bit Adam) and a persistent m/d above 1 is wanted."""
+    def _clipped(self, index: int, flat, m: torch.Tensor, denom: torch.Tensor, limit: float) -> torch.Tensor:
+        """A copy of m scaled per tensor so that the RMS of each tensor's m/d is at most `limit`
+        (Adafactor's update clipping). Used before the variance freeze on the steps between variance
+        updates: v does not hold their gradients, and early in training a gradient that outgrows the
+        last v gives steps of unbounded size, which the 1-bit error feedback then replays. After the
+        freeze v is the final preconditioner (as in 1-bit Adam) and a persistent m/d above 1 is
+        wanted. The copies are made only here, so steps after the freeze allocate nothing."""
+        ratio = flat.views(m / denom)
         if index not in self._root_numels:
-            self._root_numels[index] = torch.tensor([u.numel() ** 0.5 for u in updates], device=updates[0].device)
-        rms = torch.stack(torch._foreach_norm(updates)).div_(self._root_numels[index])
-        torch._foreach_mul_(updates, list(rms.div_(limit).clamp_(min=1.0).reciprocal_().unbind()))
+            self._root_numels[index] = torch.tensor([r.numel() ** 0.5 for r in ratio], device=m.device)
+        rms = torch.stack(torch._foreach_norm(ratio)).div_(self._root_numels[index])
+        clipped = m.clone()
+        torch._foreach_mul_(flat.views(clipped), list(rms.div_(limit).clamp_(min=1.0).reciprocal_().unbind()))
+        return clipped
 
     def _sync_group(self, index: int) -> None:
         """x <- decay*anchor - w_bar and m <- w_bar*denom/lr_sum, from data identical on every rank."""
