@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zoa_train.distributed import init_process_group
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -16,13 +18,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def gloo_threads() -> list[str]:
+    """Names of this process's Gloo threads (Linux; empty elsewhere)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return []
+    names = []
+    for task in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, task, "comm")) as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return [n for n in names if "gloo" in n]
+
+
 def _child(rank: int, world_size: int, port: int, outdir: str, fn, args) -> None:
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         dist.barrier()
         dist.destroy_process_group()
+        # A group that outlives destroy_process_group keeps Gloo's threads, which can abort the
+        # process at exit when they release tensors after the interpreter has started shutting down.
+        assert not gloo_threads(), f"Gloo threads still running after destroy_process_group: {gloo_threads()}"
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     except BaseException:
         with open(os.path.join(outdir, f"rank{rank}.err"), "w") as f:

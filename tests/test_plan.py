@@ -25,7 +25,7 @@ from zoa_train.optim.plan import (
     zero_one_step_kinds,
 )
 
-# The authors' BERT-Large seq-128 recipe (docs/zero-one-adam.md, last paragraph of "Counting").
+# The authors' BERT-Large seq-128 recipe (paper, section 5; recipes/bert_large.yaml).
 BERT_STEPS = 152_500
 BERT_LR = LRSchedule("exponential", lr=4e-4, warmup_steps=12_500, decay_factor=0.99, decay_every=520)
 BERT_KNOBS = dict(

@@ -49,8 +49,15 @@ def export_slurm_environment() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
-def init_process_group(backend: str | None = None) -> torch.device:
-    """Join the process group described by the environment; returns this rank's device."""
+def init_process_group(backend: str | None = None, **kwargs) -> torch.device:
+    """Join the process group described by the environment (or by torch's `init_process_group`
+    keyword arguments); returns this rank's device."""
+    # torch._dynamo (which torch.optim imports on first use) keeps references to the world group
+    # when it is first imported after the group exists; destroy_process_group then cannot free the
+    # group, Gloo's worker threads outlive the interpreter, and a rank aborts at exit ("terminate
+    # called without an active exception") about one run in twenty. Importing it first avoids that.
+    import torch._dynamo  # noqa: F401
+
     if cluster_environment() == "slurm":
         export_slurm_environment()
     backend = backend or default_backend()
@@ -60,7 +67,7 @@ def init_process_group(backend: str | None = None) -> torch.device:
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **kwargs)
     return device
 
 
