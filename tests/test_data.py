@@ -19,7 +19,6 @@ from zoa_train.data import (
     SentencePairBlocks,
     TextSource,
     iter_texts,
-    lm_blocks,
     load_or_build_tokens,
     load_or_train_tokenizer,
     prepare_lm_data,
@@ -345,7 +344,7 @@ def test_ranks_see_disjoint_blocks_and_epochs_reshuffle():
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_resume_gives_the_same_batches_as_an_uninterrupted_run(kind, gpt2, bert):
     data = gpt2 if kind == "gpt2" else bert
-    blocks = lm_blocks(kind, data.validation, 32, data.tokenizer)
+    blocks = CausalLMBlocks(data.validation, 32) if kind == "gpt2" else MaskedLMBlocks(data.validation, 32, data.tokenizer)
 
     def loader():
         return DistributedBatchLoader(blocks, 8, rank=1, world_size=2, seed=11)

@@ -302,3 +302,37 @@ def test_zero_one_adam_converges_like_adam_on_digits_with_under_one_bit():
     assert adam_bits == 16 and adam_rounds == steps
     assert zoa_bits < 1.0 and zoa_rounds < steps
     assert zoa_loss <= adam_loss * 1.05 + 1e-3, (zoa_loss, adam_loss)
+
+
+def _batchnorm_statistics_over_steps(rank, world_size):
+    from zoa_train.train.optimizers import batchnorm_statistics
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
+    opt = ZeroOneAdam(model.parameters(), lr=0.01, var_freeze_step=2, var_update_scaler=1, local_steps="fixed", local_step_interval=3)
+    opt.average_at_sync(batchnorm_statistics(model))
+    out = []
+    for t in range(8):
+        x = torch.randn(16, 4, generator=torch.Generator().manual_seed(10 * rank + t)) * (1 + rank)  # ranks see different data
+        model(x).pow(2).mean().backward()
+        before = model[1].running_mean.clone()
+        opt.step()
+        opt.zero_grad()
+        out.append((opt.last_step.synced, before, model[1].running_mean.clone(), model[1].running_var.clone()))
+    opt.synchronize()  # ends on a local step: the statistics are averaged too
+    out.append((True, None, model[1].running_mean.clone(), model[1].running_var.clone()))
+    return out
+
+
+def test_batchnorm_statistics_are_averaged_at_every_sync():
+    ranks = run_ranks(_batchnorm_statistics_over_steps, 2)
+    synced_steps = 0
+    for (synced, before0, mean0, var0), (_, before1, mean1, var1) in zip(*ranks):
+        if synced:
+            synced_steps += 1
+            assert torch.equal(mean0, mean1) and torch.equal(var0, var1)
+            if before0 is not None:
+                assert torch.allclose(mean0, (before0 + before1) / 2)
+        else:  # local step: each rank keeps its own statistics
+            assert not torch.equal(mean0, mean1)
+    assert 3 <= synced_steps < len(ranks[0])

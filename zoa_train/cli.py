@@ -5,6 +5,7 @@
   torchrun --nproc-per-node 8 -m zoa_train.cli run recipes/gpt2.yaml      one process per rank
   srun --ntasks-per-node 8 zoa-train run recipes/bert_large.yaml           rank and master from Slurm
   zoa-train report runs/adam runs/zero_one_adam --out report   plots and a comparison table
+  zoa-train eval imagenet --checkpoint runs/resnet18_imagenet --data /data/imagenet/val      top-1 / top-5
   zoa-train bench comm --sizes 1M,16M,64M --nproc 2        fp32 allreduce vs 1-bit allreduce
   sudo zoa-train bench netsim --ranks 2 --bandwidth 100mbit  each optimizer over emulated network links
 """
@@ -26,6 +27,8 @@ from zoa_train.errors import UserError
 app = typer.Typer(help="Communication-efficient distributed training with 0/1 Adam.", no_args_is_help=True)
 bench_app = typer.Typer(help="Benchmarks that print ratios measured in one run.", no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+eval_app = typer.Typer(help="Evaluate a trained checkpoint.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
 console = Console()
 
 
@@ -58,37 +61,22 @@ def run_command(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Empty a non-empty run directory first.")] = False,
 ) -> None:
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
-    import shutil
-
     from zoa_train.config import check_batch_layout, load_recipe
     from zoa_train.distributed import cluster_environment, launch_local
-    from zoa_train.train import checkpoint as ckpt
-    from zoa_train.train.trainer import check_resumable, run_rank
+    from zoa_train.train.rundir import RunDirectory
+    from zoa_train.train.trainer import run_rank
 
     config = load_recipe(recipe, set_)
     run_dir = out or Path("runs") / recipe.stem
-    if resume and overwrite:
-        fail("--resume and --overwrite cannot be used together.")
-    if resume and resume != "auto" and not Path(resume).is_dir():
-        fail(f"--resume {resume}: no such checkpoint directory.")
-    launcher = cluster_environment()
-    if launcher is None:
+    if cluster_environment() is None:
         world = nproc or config.train.nproc
         if world < 1:
             fail("--nproc must be at least 1.")
         check_batch_layout(config, world, str(recipe))
-        if resume:
-            latest = ckpt.complete_checkpoints(run_dir / "checkpoints")
-            target = Path(resume) if resume != "auto" else (latest[-1] if latest else None)
-            if target is not None:
-                check_resumable(target, world)
-        elif run_dir.exists() and any(run_dir.iterdir()):
-            if not overwrite:
-                fail(f"run directory {run_dir} is not empty: pass --resume auto to continue it or --overwrite to start again.")
-            shutil.rmtree(run_dir)
-        results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None)
+        RunDirectory(run_dir).check(resume or None, overwrite, world)  # before any rank starts; every rank checks again
+        results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite)
     else:
-        results = [run_rank(config.to_dict(), str(run_dir), resume or None)]
+        results = [run_rank(config.to_dict(), str(run_dir), resume or None, overwrite)]
     for result in results:
         if result and "user_error" in result:
             fail(result["user_error"])
@@ -134,14 +122,14 @@ def plan_command(
 
 
 def count_parameters(config) -> int:
-    """Parameters of the recipe's model, built on the meta device (no memory, no download); the
-    vocabulary is data.vocab_size, the size of a tokenizer trained for the recipe."""
+    """Parameters of the recipe's model, built on the meta device (no memory, no download); a
+    language model's vocabulary is data.vocab_size, the size of a tokenizer trained for the recipe."""
     import torch
 
-    from zoa_train.models import build_model
+    from zoa_train.tasks import task_class
 
     with torch.device("meta"):
-        model = build_model(config.model, config.data.vocab_size, config.data.seq_len)
+        model = task_class(config).model_for_counting(config)
     return sum(p.numel() for p in model.parameters())
 
 
@@ -160,6 +148,38 @@ def report_command(
     for note in report.notes:
         print(note)
     print(f"wrote {', '.join(str(f) for f in report.files)}")
+
+
+@eval_app.command("imagenet")
+def eval_imagenet(
+    checkpoint: Annotated[Path, typer.Option(help="A run directory (its latest complete checkpoint), a checkpoint directory or a model file.", show_default=False)],
+    data: Annotated[Path, typer.Option(help="An ImageFolder validation set: <class name>/<image> (e.g. ImageNet's val/).", show_default=False)],
+    batch_size: Annotated[int, typer.Option(help="Images per forward pass. [default: 64]")] = 64,
+    workers: Annotated[int, typer.Option(help="Decoding processes (per rank). [default: 4]")] = 4,
+    model: Annotated[str, typer.Option(help="resnet18, resnet34 or resnet50 for a bare model file. \\[default: the run's, else resnet18]", show_default=False)] = "",
+    resize_size: Annotated[int, typer.Option(help="Shorter side before the centre crop. \\[default: the run's recipe, else 256]", show_default=False)] = 0,
+    crop_size: Annotated[int, typer.Option(help="Centre crop. \\[default: the run's recipe, else 224]", show_default=False)] = 0,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")] = None,
+) -> None:
+    """Top-1 and top-5 accuracy and the loss of a ResNet over every image of a validation set; split over the ranks under torchrun or srun."""
+    from zoa_train.evaluation.imagenet import evaluate_imagenet
+    from zoa_train.models import RESNETS
+
+    if batch_size < 1 or workers < 0 or resize_size < 0 or crop_size < 0:
+        fail("--batch-size must be at least 1, and --workers, --resize-size and --crop-size not negative.")
+    if model and model not in RESNETS:
+        fail(f"--model must be one of {', '.join(RESNETS)}, not {model!r}.")
+    result = evaluate_imagenet(checkpoint, data, batch_size, workers, model or None, resize_size or None, crop_size or None)
+    if result is None:  # not rank 0
+        return
+    if json_out is not None:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(result, indent=2) + "\n")
+    table = Table(title=f"{result['model']} on {result['data']}")
+    for name in ("images", "top-1", "top-5", "loss"):
+        table.add_column(name, justify="right")
+    table.add_row(f"{result['images']:,}", f"{100 * result['top1']:.2f}%", f"{100 * result['top5']:.2f}%", f"{result['loss']:.4f}")
+    console.print(table)
 
 
 @bench_app.command("comm")
@@ -306,8 +326,8 @@ def bench_loader(
         print(json.dumps(result))
         return
     console.print(
-        f"loader {result['loader_s_per_batch'] * 1e3:.2f} ms/batch ({result['loader_tokens_per_s']:,.0f} tokens/s), "
-        f"training step {result['step_s_per_batch'] * 1e3:.1f} ms/batch ({result['step_tokens_per_s']:,.0f} tokens/s): "
+        f"loader {result['loader_s_per_batch'] * 1e3:.2f} ms/batch ({result['loader_units_per_s']:,.0f} {result['unit']}/s), "
+        f"training step {result['step_s_per_batch'] * 1e3:.1f} ms/batch ({result['step_units_per_s']:,.0f} {result['unit']}/s): "
         f"the loader takes {100 * result['loader_share_of_step']:.2f}% of a step's time"
     )
 

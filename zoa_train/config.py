@@ -7,6 +7,7 @@ file and key. The resolved recipe is what the trainer uses and what it writes to
 
 import dataclasses
 import difflib
+import inspect
 import types
 import typing
 from dataclasses import dataclass, field
@@ -16,23 +17,33 @@ from typing import Literal
 import yaml
 
 from zoa_train.errors import UserError
+from zoa_train.optim import OneBitAdam, ZeroOneAdam
+
+
+def _library_default(optimizer: type, name: str):
+    """An optimizer knob's default as the library defines it: the recipe schema never restates one."""
+    return inspect.signature(optimizer).parameters[name].default
 
 
 @dataclass
 class ModelConfig:
-    kind: Literal["gpt2", "bert"] = "gpt2"
-    size: str = "117M"  # a preset (gpt2: 117M/small, medium, large, xl; bert: base, large) or "custom"
+    # The model family, and with it the task (zoa_train/tasks): gpt2 causal_lm, bert masked_lm,
+    # resnet18/34/50 image_classification.
+    kind: Literal["gpt2", "bert", "resnet18", "resnet34", "resnet50"] = "gpt2"
+    size: str = "117M"  # transformers: a preset (gpt2: 117M/small, medium, large, xl; bert: base, large) or "custom"
     n_layer: int | None = None  # overrides of the preset
     n_embd: int | None = None
     n_head: int | None = None
     dropout: float = 0.1
     next_sentence: bool = False  # BERT: add the next-sentence head and train on sentence pairs
-    init_from: str | None = None  # a local Hugging Face model directory, or a hub name when online
+    init_from: str | None = None  # a local Hugging Face model directory or a hub name when online; ResNet: a state-dict file
 
 
 @dataclass
 class DataConfig:
-    source: str = "bundled"  # "bundled", "files", or a hub dataset name (e.g. wikitext)
+    # text: "bundled" (Austen), "files", or a hub dataset name (e.g. wikitext);
+    # images: "digits" (bundled, 10 classes, 32x32) or "folder" (an ImageFolder tree at `root`)
+    source: str = "bundled"
     config: str | None = None  # hub dataset config (e.g. wikitext-103-raw-v1)
     train_files: list[str] = field(default_factory=list)
     validation_files: list[str] = field(default_factory=list)
@@ -41,25 +52,36 @@ class DataConfig:
     vocab_size: int = 8192  # of a trained tokenizer
     seq_len: int = 128
     cache_dir: str = "~/.cache/zoa-train"
+    # images
+    root: str | None = None  # source "folder": holds train/<class>/* and val/<class>/* (ImageNet as usually unpacked)
+    crop_size: int = 224  # training: RandomResizedCrop to this; evaluation: centre crop
+    resize_size: int = 256  # evaluation: shorter side resized to this before the centre crop
+    min_crop_scale: float = 0.08  # smallest area fraction RandomResizedCrop keeps
+    hflip: bool = True  # random horizontal flips in training
+    workers: int = 4  # decoding processes per rank
 
 
 @dataclass
 class OptimizerConfig:
+    """Defaults are the library's (zoa_train.optim), which follow the authors' DeepSpeed defaults;
+    docs/recipes.md says which values the recipes change and why."""
+
     name: Literal["adam", "onebit_adam", "zero_one_adam"] = "zero_one_adam"
-    lr: float = 1e-3
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    bias_correction: bool = True
+    lr: float = _library_default(ZeroOneAdam, "lr")
+    betas: tuple[float, float] = _library_default(ZeroOneAdam, "betas")
+    eps: float = _library_default(ZeroOneAdam, "eps")
+    weight_decay: float = _library_default(ZeroOneAdam, "weight_decay")
+    bias_correction: bool = _library_default(ZeroOneAdam, "bias_correction")
     allreduce_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # full-precision collectives
-    freeze_step: int = 1000  # 1-bit Adam: full-precision warm-up steps
-    var_freeze_step: int = 1000  # 0/1 Adam: last step that may update the variance
-    var_update_scaler: int = 16  # 0/1 Adam: kappa, variance-update gaps double every kappa updates
-    local_steps: Literal["lr", "steps", "fixed"] = "lr"
-    local_step_clip: int = 16  # H: the largest sync interval
-    local_step_scaler: int = 32678  # "steps" policy: steps per doubling of the interval
-    local_step_interval: int = 1  # "fixed" policy
-    update_clip: float | None = 1.0  # 0/1 Adam: largest RMS of a tensor's m/d on steps with a stale v; null: none
+    freeze_step: int = _library_default(OneBitAdam, "freeze_step")  # 1-bit Adam: full-precision warm-up steps
+    var_freeze_step: int = _library_default(ZeroOneAdam, "var_freeze_step")  # 0/1 Adam: last step that may update the variance
+    var_update_scaler: int = _library_default(ZeroOneAdam, "var_update_scaler")  # kappa: variance-update gaps double every kappa updates
+    local_steps: Literal["lr", "steps", "fixed"] = _library_default(ZeroOneAdam, "local_steps")
+    local_step_clip: int = _library_default(ZeroOneAdam, "local_step_clip")  # H: the largest sync interval
+    local_step_scaler: int = _library_default(ZeroOneAdam, "local_step_scaler")  # "steps" policy: steps per doubling of the interval
+    local_step_interval: int = _library_default(ZeroOneAdam, "local_step_interval")  # "fixed" policy
+    # 0/1 Adam: largest RMS of a tensor's m/d on steps with a stale v; null: none
+    update_clip: float | None = _library_default(ZeroOneAdam, "update_clip")
 
     def schedule_knobs(self) -> dict:
         """The ZeroOneSchedule keyword arguments, shared by the trainer and `plan`."""
@@ -224,7 +246,7 @@ def _check(recipe: Recipe, origin: str) -> None:
         "optimizer.lr": o.lr, "optimizer.var_update_scaler": o.var_update_scaler, "optimizer.local_step_clip": o.local_step_clip,
         "optimizer.local_step_scaler": o.local_step_scaler, "optimizer.local_step_interval": o.local_step_interval,
         "schedule.decay_every": recipe.schedule.decay_every, "optimizer.freeze_step": o.freeze_step,
-        "optimizer.var_freeze_step": o.var_freeze_step,
+        "optimizer.var_freeze_step": o.var_freeze_step, "data.crop_size": d.crop_size, "data.resize_size": d.resize_size,
     }
     for key, value in positive.items():
         if value <= 0:
@@ -232,7 +254,7 @@ def _check(recipe: Recipe, origin: str) -> None:
     non_negative = {
         "train.grad_clip": t.grad_clip, "train.val_every": t.val_every, "train.checkpoint_every": t.checkpoint_every,
         "optimizer.weight_decay": o.weight_decay, "optimizer.eps": o.eps, "schedule.warmup_steps": recipe.schedule.warmup_steps,
-        "model.dropout": m.dropout,
+        "model.dropout": m.dropout, "data.workers": d.workers,
     }
     for key, value in non_negative.items():
         if value < 0:
@@ -245,11 +267,9 @@ def _check(recipe: Recipe, origin: str) -> None:
         raise UserError(f"{origin}: schedule.decay_factor must be in (0, 1], not {recipe.schedule.decay_factor}.")
     if m.next_sentence and m.kind != "bert":
         raise UserError(f"{origin}: model.next_sentence is a BERT head; set it to false for {m.kind}.")
-    if d.source == "files" and not d.train_files:
-        raise UserError(f"{origin}: data.train_files must name at least one file when data.source is files.")
-    for name in d.train_files + d.validation_files:
-        if not any(ch in name for ch in "*?[") and not Path(name).expanduser().exists():
-            raise UserError(f"{origin}: data file {name} does not exist.")
+    from zoa_train.tasks import task_class  # imports nothing heavy
+
+    task_class(recipe).check(recipe, origin)
 
 
 def check_batch_layout(recipe: Recipe, world_size: int, origin: str = "recipe") -> int:

@@ -32,11 +32,13 @@ def allreduce(
     comm_dtype: torch.dtype | None = None,
     average: bool = True,
     elements: int | None = None,
+    in_step: bool = True,
 ) -> torch.Tensor:
     """Average (or sum) `tensor` in place over the group, sending it as `comm_dtype` (default: its own).
 
     `elements`: how many of its elements are parameters, for bits per parameter (default: all; a
     buffer with padding counts only its real elements, while bytes count everything sent).
+    `in_step`: counted in the current optimizer step (False: in the totals only, not in a round).
     Gloo has no AVG reduction, so the sum is divided by the world size locally.
     """
     world, _ = group_size_rank(group)
@@ -55,5 +57,6 @@ def allreduce(
         payload_bits=bits,
         elements=tensor.numel() if elements is None else elements,
         bytes_sent=ring_allreduce_bytes(tensor.numel(), wire.element_size(), world),
+        in_step=in_step,
     )
     return tensor

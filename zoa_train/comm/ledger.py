@@ -35,11 +35,18 @@ class CommLedger:
     _step_bytes: int = 0
     _step_calls: int = 0
 
-    def record(self, kind: str, payload_bits: int, elements: int, bytes_sent: int, calls: int = 1) -> None:
-        """Record one logical collective (`calls` underlying collective calls) in the current step."""
-        self._step_bits += payload_bits * elements
-        self._step_bytes += bytes_sent
-        self._step_calls += calls
+    def record(self, kind: str, payload_bits: int, elements: int, bytes_sent: int, calls: int = 1, in_step: bool = True) -> None:
+        """Record one logical collective (`calls` underlying collective calls) in the current step,
+        or with `in_step=False` (a sync outside the optimizer's steps, e.g. before a checkpoint)
+        straight into the totals: it adds bits and bytes but makes no step a round."""
+        if in_step:
+            self._step_bits += payload_bits * elements
+            self._step_bytes += bytes_sent
+            self._step_calls += calls
+        else:
+            self.payload_bits += payload_bits * elements
+            self.bytes_sent += bytes_sent
+            self.calls += calls
         entry = self.by_kind.setdefault(kind, {"calls": 0, "bytes_sent": 0, "elements": 0})
         entry["calls"] += calls
         entry["bytes_sent"] += bytes_sent

@@ -3,7 +3,7 @@
 Typical use on every rank::
 
     data = prepare_lm_data(TextSource("bundled"), "gpt2", cache_dir)
-    loader = DistributedBatchLoader(lm_blocks("gpt2", data.train, 128, data.tokenizer), 16, rank, world_size, seed)
+    loader = DistributedBatchLoader(CausalLMBlocks(data.train, 128), 16, rank, world_size, seed)
     batch = next(loader)  # {"input_ids": (16, 128) int64, "labels": ...}
 """
 
@@ -13,7 +13,6 @@ from zoa_train.data.lm import (
     DistributedBatchLoader,
     MaskedLMBlocks,
     SentencePairBlocks,
-    lm_blocks,
     validation_batches,
 )
 from zoa_train.data.prepare import LMData, prepare_lm_data
@@ -31,7 +30,6 @@ __all__ = [
     "SentencePairBlocks",
     "TextSource",
     "iter_texts",
-    "lm_blocks",
     "load_or_build_tokens",
     "load_or_train_tokenizer",
     "prepare_lm_data",

@@ -120,15 +120,6 @@ class SentencePairBlocks(MaskedLMBlocks):
 Blocks = CausalLMBlocks | MaskedLMBlocks
 
 
-def lm_blocks(kind: str, tokens: np.ndarray, seq_len: int, tokenizer: "PreTrainedTokenizerBase", next_sentence: bool = False) -> Blocks:
-    """Causal-LM blocks for ``kind="gpt2"``, MLM blocks for ``kind="bert"`` (sentence pairs with ``next_sentence``)."""
-    if kind == "gpt2":
-        return CausalLMBlocks(tokens, seq_len)
-    if kind == "bert":
-        return SentencePairBlocks(tokens, seq_len, tokenizer) if next_sentence else MaskedLMBlocks(tokens, seq_len, tokenizer)
-    raise UserError(f"Model kind must be gpt2 or bert, not {kind!r}.")
-
-
 def step_generator(*keys: int) -> torch.Generator:
     """A torch generator seeded from several integers, mixed so that nearby keys give unrelated streams."""
     seed = int(np.random.SeedSequence(keys).generate_state(1, np.uint64)[0])

@@ -1,5 +1,5 @@
-"""Model builders: GPT-2 and BERT through transformers, from presets, without any download."""
+"""Model builders: GPT-2 and BERT through transformers, ResNets through torchvision; nothing is downloaded."""
 
-from zoa_train.models.builders import MODEL_PRESETS, build_model
+from zoa_train.models.builders import MODEL_PRESETS, RESNETS, build_bert, build_gpt2, build_resnet
 
-__all__ = ["MODEL_PRESETS", "build_model"]
+__all__ = ["MODEL_PRESETS", "RESNETS", "build_bert", "build_gpt2", "build_resnet"]

@@ -1,4 +1,4 @@
-"""GPT-2 (causal LM) and BERT (masked LM) from size presets, or from a local/hub checkpoint.
+"""GPT-2 (causal LM) and BERT (masked LM) from size presets or a local/hub checkpoint; torchvision ResNets.
 
 Presets follow the published shapes: GPT-2 117M/medium/large/xl (12/24/36/48 layers of
 768/1024/1280/1600 with 12/16/20/25 heads, context 1024) and BERT base/large (12/24 layers of
@@ -39,35 +39,42 @@ def _shape(cfg: ModelConfig) -> tuple[int, int, int]:
     return n_layer, n_embd, n_head
 
 
-def build_model(
-    cfg: ModelConfig, vocab_size: int, seq_len: int, pad_token_id: int | None = None, eos_token_id: int | None = None
-) -> torch.nn.Module:
-    """A transformers model for `cfg`, sized for `vocab_size` and at least `seq_len` positions."""
+def _from_pretrained(cfg: ModelConfig, auto_class):
+    try:
+        return auto_class.from_pretrained(cfg.init_from)
+    except OSError as e:
+        raise UserError(f"model.init_from {cfg.init_from!r} could not be loaded (a local model directory, or a hub name when online): {e}") from None
+
+
+def build_gpt2(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_token_id: int | None = None) -> torch.nn.Module:
+    """GPT2LMHeadModel for `cfg`, sized for `vocab_size` and at least `seq_len` positions."""
     import transformers
 
     if cfg.init_from:
-        auto = {"gpt2": transformers.AutoModelForCausalLM, "bert": transformers.AutoModelForMaskedLM}[cfg.kind]
-        if cfg.next_sentence:
-            auto = transformers.AutoModelForPreTraining
-        try:
-            return auto.from_pretrained(cfg.init_from)
-        except OSError as e:
-            raise UserError(f"model.init_from {cfg.init_from!r} could not be loaded (a local model directory, or a hub name when online): {e}") from None
+        return _from_pretrained(cfg, transformers.AutoModelForCausalLM)
     n_layer, n_embd, n_head = _shape(cfg)
-    if cfg.kind == "gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=vocab_size,
-            n_positions=max(1024, seq_len),
-            n_layer=n_layer,
-            n_embd=n_embd,
-            n_head=n_head,
-            resid_pdrop=cfg.dropout,
-            embd_pdrop=cfg.dropout,
-            attn_pdrop=cfg.dropout,
-            bos_token_id=eos_token_id,
-            eos_token_id=eos_token_id,
-        )
-        return transformers.GPT2LMHeadModel(config)
+    config = transformers.GPT2Config(
+        vocab_size=vocab_size,
+        n_positions=max(1024, seq_len),
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        resid_pdrop=cfg.dropout,
+        embd_pdrop=cfg.dropout,
+        attn_pdrop=cfg.dropout,
+        bos_token_id=eos_token_id,
+        eos_token_id=eos_token_id,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def build_bert(cfg: ModelConfig, vocab_size: int, seq_len: int, pad_token_id: int | None = None) -> torch.nn.Module:
+    """BertForMaskedLM (BertForPreTraining with `next_sentence`) for `cfg`."""
+    import transformers
+
+    if cfg.init_from:
+        return _from_pretrained(cfg, transformers.AutoModelForPreTraining if cfg.next_sentence else transformers.AutoModelForMaskedLM)
+    n_layer, n_embd, n_head = _shape(cfg)
     config = transformers.BertConfig(
         vocab_size=vocab_size,
         hidden_size=n_embd,
@@ -80,3 +87,22 @@ def build_model(
         pad_token_id=pad_token_id or 0,
     )
     return transformers.BertForPreTraining(config) if cfg.next_sentence else transformers.BertForMaskedLM(config)
+
+
+RESNETS = ("resnet18", "resnet34", "resnet50")
+
+
+def build_resnet(cfg: ModelConfig, num_classes: int) -> torch.nn.Module:
+    """A torchvision ResNet with `num_classes` outputs, randomly initialised, or loaded from
+    `init_from`: a file holding a state dict (a zoa-train model.pt or torchvision weights)."""
+    import torchvision
+
+    model = getattr(torchvision.models, cfg.kind)(weights=None, num_classes=num_classes)
+    if cfg.init_from:
+        try:
+            state = torch.load(cfg.init_from, map_location="cpu", weights_only=True)
+            model.load_state_dict(state)
+        except (OSError, RuntimeError, KeyError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"model.init_from {cfg.init_from!r} is not a {cfg.kind} state dict with {num_classes} classes: {first}") from None
+    return model

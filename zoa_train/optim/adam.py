@@ -28,6 +28,10 @@ class DataParallelAdam(DataParallelOptimizer):
             buffers["exp_avg"] = flat.zeros()
             buffers["exp_avg_sq"] = flat.zeros()
 
+    @property
+    def variance_updates(self) -> int:
+        return self.step_count
+
     def _step(self) -> tuple[bool, bool, int]:
         t = self.step_count
         for group, flat, buffers in zip(self.param_groups, self._flat, self._buffers):

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from zoa_train.comm import CommLedger, OneBitAllReduce, allreduce, group_size_rank, onebit_layout
 from zoa_train.comm.onebit import OneBitLayout
+from zoa_train.runs import FULL, LOCAL, ONEBIT
 
 
 @dataclass
@@ -25,6 +26,7 @@ class StepRecord:
     bits_per_param: float  # nominal, docs/algorithm.md "Counting"
     bytes_sent: int
     interval: int = 1
+    kind: str = FULL  # one character of zoa_train.runs.STEP_KINDS
 
 
 class FlatGroup:
@@ -111,8 +113,45 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in self._flat]
         self._scalars: list[dict[str, float]] = [{} for _ in self._flat]
         self.schedule = None
+        self._averaged: list[torch.Tensor] = []  # see average_at_sync
         self._broadcast_parameters()
         self._constructed = True
+
+    def average_at_sync(self, tensors: list[torch.Tensor]) -> None:
+        """Average `tensors` (e.g. BatchNorm running statistics) over the ranks at every sync, in full
+        precision, counted in that step's communication. Without DDP each rank updates its own
+        running statistics from its own batches; averaging them whenever the parameters become
+        identical keeps the model one model. They never enter a gradient, so this changes
+        evaluation only, never the parameters' trajectory."""
+        self._averaged = [t for t in tensors if t.is_floating_point()]
+
+    def average_now(self) -> None:
+        """Average the tensors of `average_at_sync` now (before an evaluation or a checkpoint),
+        counted outside any step. Parameters are left alone: this never changes training."""
+        self._average_tensors(in_step=False)
+
+    def synchronize(self) -> None:
+        """Make every rank's model identical now (e.g. at the end of training). Parameters already
+        are, except inside 0/1 Adam's local-step periods, which its own synchronize ends."""
+        self.average_now()
+
+    @property
+    def parameters_differ(self) -> bool:
+        """Whether ranks hold different parameters now (pending local steps)."""
+        return False
+
+    @property
+    def variance_updates(self) -> int:
+        """Steps so far that updated the variance."""
+        raise NotImplementedError
+
+    def _average_tensors(self, in_step: bool) -> None:
+        if not self._averaged or self.world_size == 1:
+            return
+        with torch.no_grad():
+            flat = torch.cat([t.reshape(-1) for t in self._averaged])
+            allreduce(flat, group=self.process_group, ledger=self.ledger, in_step=in_step)
+            torch._foreach_copy_(self._averaged, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in self._averaged]), self._averaged)])
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_constructed", False):
@@ -141,13 +180,19 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         synced, variance_updated, interval = self._step()
+        if synced:
+            self._average_tensors(in_step=True)
         comm = self.ledger.end_step()
-        self.last_step = StepRecord(self.step_count, synced, variance_updated, comm.bits_per_param, comm.bytes_sent, interval)
+        kind = self._kind(synced, variance_updated)
+        self.last_step = StepRecord(self.step_count, synced, variance_updated, comm.bits_per_param, comm.bytes_sent, interval, kind)
         self.step_count += 1
         return loss
 
     def _step(self) -> tuple[bool, bool, int]:
         raise NotImplementedError
+
+    def _kind(self, synced: bool, variance_updated: bool) -> str:
+        return FULL if variance_updated else ONEBIT if synced else LOCAL
 
     @staticmethod
     def _denominator(v: torch.Tensor, eps: float, bias_correction2: float) -> torch.Tensor:

@@ -39,6 +39,10 @@ class OneBitAdam(DataParallelOptimizer):
             buffers["exp_avg_sq"] = flat.zeros()
             scalars.update(variance_updates=0, frozen=0)
 
+    @property
+    def variance_updates(self) -> int:
+        return min(self.step_count, self.freeze_step)
+
     def _step(self) -> tuple[bool, bool, int]:
         t = self.step_count
         warmup = t < self.freeze_step

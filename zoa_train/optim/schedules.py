@@ -30,11 +30,13 @@ class ZeroOneSchedule:
     """Decides, step by step, which steps update the variance and which synchronise. Its state is
     part of the optimizer state, so a resumed run makes the same decisions."""
 
+    # The one place these knobs' defaults are defined (ZeroOneAdam and the recipe schema read them):
+    # the authors' DeepSpeed defaults, 32,678 included (their configs' value, not 2^15).
     var_freeze_step: int = 100_000
     var_update_scaler: int = 16
     local_steps: str = "lr"
     local_step_clip: int = 16
-    local_step_scaler: int = 32_768
+    local_step_scaler: int = 32_678
     local_step_interval: int = 1
     # progress
     step: int = 0

@@ -40,6 +40,7 @@ import torch
 from zoa_train.comm.onebit import SCALE_ROW
 from zoa_train.optim.base import DataParallelOptimizer
 from zoa_train.optim.schedules import ZeroOneSchedule
+from zoa_train.runs import VARIANCE
 
 
 class ZeroOneAdam(DataParallelOptimizer):
@@ -51,12 +52,12 @@ class ZeroOneAdam(DataParallelOptimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
         bias_correction: bool = False,
-        var_freeze_step: int = 100_000,
-        var_update_scaler: int = 16,
-        local_steps: str = "lr",
-        local_step_clip: int = 16,
-        local_step_scaler: int = 32_768,
-        local_step_interval: int = 1,
+        var_freeze_step: int = ZeroOneSchedule.var_freeze_step,
+        var_update_scaler: int = ZeroOneSchedule.var_update_scaler,
+        local_steps: str = ZeroOneSchedule.local_steps,
+        local_step_clip: int = ZeroOneSchedule.local_step_clip,
+        local_step_scaler: int = ZeroOneSchedule.local_step_scaler,
+        local_step_interval: int = ZeroOneSchedule.local_step_interval,
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
         scale_row: int = SCALE_ROW,
@@ -83,13 +84,27 @@ class ZeroOneAdam(DataParallelOptimizer):
         self._root_numels: dict[int, torch.Tensor] = {}  # per group: sqrt(numel) of each tensor, for _clipped
 
     def synchronize(self) -> None:
-        """Sync now if local steps are pending (e.g. before a final evaluation), so all ranks agree."""
-        if self.schedule.steps_since_sync:
-            with torch.no_grad():
-                for index in range(len(self._flat)):
-                    self._sync_group(index)
-            self.schedule.steps_since_sync = 0
-            self.ledger.end_step()
+        """Sync now if local steps are pending (e.g. before an evaluation), so all ranks agree; the
+        extra 1-bit round is counted as a step of its own."""
+        if not self.schedule.steps_since_sync:
+            return super().synchronize()
+        with torch.no_grad():
+            for index in range(len(self._flat)):
+                self._sync_group(index)
+        self.schedule.steps_since_sync = 0
+        self._average_tensors(in_step=True)
+        self.ledger.end_step()
+
+    @property
+    def parameters_differ(self) -> bool:
+        return self.schedule.steps_since_sync > 0
+
+    @property
+    def variance_updates(self) -> int:
+        return self.schedule.variance_updates
+
+    def _kind(self, synced: bool, variance_updated: bool) -> str:
+        return VARIANCE if variance_updated else super()._kind(synced, variance_updated)
 
     def _step(self) -> tuple[bool, bool, int]:
         lead = next((g for g, f in zip(self.param_groups, self._flat) if f.numel), self.param_groups[0])

@@ -51,8 +51,9 @@ class MetricsLogger:
         if self._wandb:
             self._wandb.log(record, step=step)
         if "loss" in record:
+            unit, rate = next((k.removesuffix("_per_s"), v) for k, v in record.items() if k.endswith("_per_s"))
             status = (
-                f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  {record['tokens_per_s']:,.0f} tok/s  "
+                f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  {rate:,.0f} {unit}/s  "
                 f"{record['bits_per_param']:.2f} bits/param  {record['rounds']} rounds"
             )
             self._progress.update(self._task, completed=step, status=status)

@@ -1,0 +1,1 @@
+"""Evaluation of trained models: `zoa-train eval ...` (ImageNet top-1/top-5)."""

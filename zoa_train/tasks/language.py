@@ -1,0 +1,104 @@
+"""causal_lm (GPT-2) and masked_lm (BERT): a tokenizer and token streams (zoa_train/data), a
+transformers model, and its own loss (`model(**batch).loss`)."""
+
+from pathlib import Path
+
+import torch
+
+from zoa_train.errors import UserError
+from zoa_train.tasks.base import Task
+
+IMAGE_SOURCES = ("digits", "folder")
+
+
+class LanguageTask(Task):
+    unit = "tokens"
+    metrics = ("val_loss",)
+    tokenizer_family: str  # the kind of tokenizer trained when none is given: "gpt2" or "bert"
+
+    def __init__(self, recipe, rank: int, world_size: int):
+        from zoa_train.data import DistributedBatchLoader, TextSource, prepare_lm_data
+
+        super().__init__(recipe, rank, world_size)
+        d, t = recipe.data, recipe.train
+        source = TextSource(
+            name=d.source, config=d.config, train_files=tuple(d.train_files), validation_files=tuple(d.validation_files), text_field=d.text_field
+        )
+        data = prepare_lm_data(source, self.tokenizer_family, Path(d.cache_dir).expanduser(), d.tokenizer, d.vocab_size)
+        self.tokenizer = data.tokenizer
+        self.units_per_sample = d.seq_len
+        self.loader = DistributedBatchLoader(self.blocks(data.train), t.micro_batch_size, rank, world_size, t.seed)
+        self.val_blocks = self.blocks(data.validation)
+
+    @classmethod
+    def check(cls, recipe, origin: str) -> None:
+        d = recipe.data
+        if d.source in IMAGE_SOURCES:
+            raise UserError(f"{origin}: data.source {d.source} is an image set; {recipe.model.kind} trains on text (bundled, files or a hub dataset).")
+        if d.source == "files" and not d.train_files:
+            raise UserError(f"{origin}: data.train_files must name at least one file when data.source is files.")
+        for name in d.train_files + d.validation_files:
+            if not any(ch in name for ch in "*?[") and not Path(name).expanduser().exists():
+                raise UserError(f"{origin}: data file {name} does not exist.")
+
+    def blocks(self, tokens):
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        return model(**batch).loss
+
+    def validation_batches(self, max_batches: int | None):
+        from zoa_train.data import validation_batches
+
+        t = self.recipe.train
+        return validation_batches(self.val_blocks, t.micro_batch_size, self.rank, self.world_size, t.seed, max_batches)
+
+    def metric_sums(self, model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        # Every rank runs the same number of equal batches: the mean of batch means is the mean.
+        return {"val_loss": model(**batch).loss.float(), "count": torch.ones((), device=batch["input_ids"].device)}
+
+    def save_artifacts(self, run_dir: Path) -> None:
+        self.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+
+
+class CausalLM(LanguageTask):
+    name = "causal_lm"
+    tokenizer_family = "gpt2"
+
+    def blocks(self, tokens):
+        from zoa_train.data import CausalLMBlocks
+
+        return CausalLMBlocks(tokens, self.recipe.data.seq_len)
+
+    def build_model(self) -> torch.nn.Module:
+        from zoa_train.models import build_gpt2
+
+        return build_gpt2(self.recipe.model, len(self.tokenizer), self.recipe.data.seq_len, self.tokenizer.eos_token_id)
+
+    @classmethod
+    def model_for_counting(cls, recipe) -> torch.nn.Module:
+        from zoa_train.models import build_gpt2
+
+        return build_gpt2(recipe.model, recipe.data.vocab_size, recipe.data.seq_len)
+
+
+class MaskedLM(LanguageTask):
+    name = "masked_lm"
+    tokenizer_family = "bert"
+
+    def blocks(self, tokens):
+        from zoa_train.data import MaskedLMBlocks, SentencePairBlocks
+
+        blocks = SentencePairBlocks if self.recipe.model.next_sentence else MaskedLMBlocks
+        return blocks(tokens, self.recipe.data.seq_len, self.tokenizer)
+
+    def build_model(self) -> torch.nn.Module:
+        from zoa_train.models import build_bert
+
+        return build_bert(self.recipe.model, len(self.tokenizer), self.recipe.data.seq_len, self.tokenizer.pad_token_id)
+
+    @classmethod
+    def model_for_counting(cls, recipe) -> torch.nn.Module:
+        from zoa_train.models import build_bert
+
+        return build_bert(recipe.model, recipe.data.vocab_size, recipe.data.seq_len)

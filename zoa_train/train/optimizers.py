@@ -1,0 +1,167 @@
+"""The optimizer a run trains with, built from the recipe in one place, behind one interface.
+
+`build_optimizer(recipe, model, device)` returns either
+  DDPAdamW          `adam`: DDP + torch.optim.AdamW (foreach, fused on CUDA), the baseline users
+                    would pick; DDP communicates during backward and this object records it
+  SelfSyncing       `onebit_adam`, `zero_one_adam`, and `adam` with `bias_correction: false`
+                    (DataParallelAdam: AdamW always applies bias correction, so the baseline runs
+                    the same math as the 1-bit optimizers it is compared with); the model is not
+                    wrapped in DDP: the optimizer communicates
+Both expose what the trainer needs and nothing about which they are: `module` (what the forward
+pass runs), `optimizer` (for the lr scheduler), `ledger`, `no_sync()`, `step() -> step kind`,
+`variance_updates`, `parameters_differ`, `synchronize()` (parameters and statistics, ending any
+local steps), `average_statistics()` (statistics only: never changes training), and state dicts split into what is the
+same on every rank (saved once) and what is each rank's own.
+
+BatchNorm: without DDP each rank's running statistics follow its own batches, so SelfSyncing has
+the optimizer average them at every sync and in `average_statistics()` (before validation and
+checkpoints). Under DDP they keep DDP's behaviour (rank 0's buffers broadcast at each forward).
+"""
+
+import contextlib
+
+import torch
+
+from zoa_train.comm import CommLedger, ring_allreduce_bytes
+from zoa_train.config import Recipe
+from zoa_train.optim import DataParallelAdam, DataParallelOptimizer, OneBitAdam, ZeroOneAdam
+from zoa_train.runs import FULL
+from zoa_train.train.precision import DTYPES
+
+
+def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices and convolution kernels only: biases and norm weights (1-D) keep weight decay 0."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def batchnorm_statistics(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The running mean and variance of every BatchNorm layer."""
+    found = []
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.batchnorm._NormBase) and module.track_running_stats:
+            found += [module.running_mean, module.running_var]
+    return [t for t in found if t is not None]
+
+
+class DDPAdamW:
+    def __init__(self, model: torch.nn.Module, recipe: Recipe, device: torch.device, world_size: int):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel
+
+        o = recipe.optimizer
+        self.module = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.comm_dtype = DTYPES[o.allreduce_dtype]
+        hook = {torch.float16: default_hooks.fp16_compress_hook, torch.bfloat16: default_hooks.bf16_compress_hook}.get(self.comm_dtype)
+        if hook:
+            self.module.register_comm_hook(None, hook)
+        fused = device.type == "cuda"
+        groups = parameter_groups(model, o.weight_decay)
+        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=fused, foreach=not fused)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.ledger = CommLedger(num_params=self.num_params)
+        self.world_size = world_size
+        self.steps = 0
+
+    def no_sync(self):
+        return self.module.no_sync()
+
+    def step(self) -> str:
+        self.optimizer.step()
+        # DDP averaged the gradients during backward (bucketed ring allreduce): count it here.
+        bits = 32 if self.comm_dtype is None else 16
+        nbytes = ring_allreduce_bytes(self.num_params, bits // 8, self.world_size)
+        self.ledger.record("ddp_allreduce", payload_bits=bits, elements=self.num_params, bytes_sent=nbytes)
+        self.ledger.end_step()
+        self.steps += 1
+        return FULL
+
+    @property
+    def variance_updates(self) -> int:
+        return self.steps
+
+    parameters_differ = False
+
+    def synchronize(self) -> None:
+        """Parameters are identical after every step; nothing to do."""
+
+    def average_statistics(self) -> None:
+        """DDP's buffers stay as DDP keeps them."""
+
+    def shared_state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "ledger": self.ledger.state_dict(), "steps": self.steps}
+
+    def load_shared_state_dict(self, state: dict) -> None:
+        if "ledger" not in state:
+            raise ValueError("the checkpoint holds another optimizer's state, not adam's")
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.ledger.load_state_dict(state["ledger"])
+        self.steps = state["steps"]
+
+    def rank_state_dict(self) -> dict:
+        return {}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        pass
+
+
+class SelfSyncing:
+    def __init__(self, model: torch.nn.Module, optimizer: DataParallelOptimizer):
+        self.module = model
+        self.optimizer = optimizer
+        self.ledger = optimizer.ledger
+        optimizer.average_at_sync(batchnorm_statistics(model))
+
+    def no_sync(self):
+        return contextlib.nullcontext()
+
+    def step(self) -> str:
+        self.optimizer.step()
+        return self.optimizer.last_step.kind
+
+    @property
+    def variance_updates(self) -> int:
+        return self.optimizer.variance_updates
+
+    @property
+    def parameters_differ(self) -> bool:
+        return self.optimizer.parameters_differ
+
+    def synchronize(self) -> None:
+        self.optimizer.synchronize()
+
+    def average_statistics(self) -> None:
+        self.optimizer.average_now()
+
+    def shared_state_dict(self) -> dict:
+        return {}
+
+    def load_shared_state_dict(self, state: dict) -> None:
+        pass
+
+    def rank_state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict()}
+
+    def load_rank_state_dict(self, state: dict) -> None:
+        if "optimizer" not in state:
+            raise ValueError("the checkpoint holds adam's (DDP) state, not this optimizer's")
+        self.optimizer.load_state_dict(state["optimizer"])
+
+
+TrainingOptimizer = DDPAdamW | SelfSyncing
+
+
+def build_optimizer(recipe: Recipe, model: torch.nn.Module, device: torch.device, world_size: int) -> TrainingOptimizer:
+    o = recipe.optimizer
+    if o.name == "adam" and o.bias_correction:
+        return DDPAdamW(model, recipe, device, world_size)
+    groups = parameter_groups(model, o.weight_decay)
+    common = dict(lr=o.lr, betas=o.betas, eps=o.eps, bias_correction=o.bias_correction, allreduce_dtype=DTYPES[o.allreduce_dtype])
+    if o.name == "adam":
+        optimizer = DataParallelAdam(groups, **common)
+    elif o.name == "onebit_adam":
+        optimizer = OneBitAdam(groups, freeze_step=o.freeze_step, **common)
+    else:
+        optimizer = ZeroOneAdam(groups, **o.schedule_knobs(), update_clip=o.update_clip, **common)
+    return SelfSyncing(model, optimizer)
