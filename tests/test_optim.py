@@ -336,3 +336,17 @@ def test_batchnorm_statistics_are_averaged_at_every_sync():
         else:  # local step: each rank keeps its own statistics
             assert not torch.equal(mean0, mean1)
     assert 3 <= synced_steps < len(ranks[0])
+
+
+def test_a_recipe_without_optimizer_keys_gets_the_library_defaults():
+    from zoa_train.config import recipe_from_dict
+    from zoa_train.train.optimizers import build_optimizer
+
+    model = torch.nn.Linear(4, 4)
+    built = build_optimizer(recipe_from_dict({}), model, torch.device("cpu"), 1).optimizer
+    library = ZeroOneAdam(model.parameters())
+    assert built.schedule.state_dict() == library.schedule.state_dict()
+    assert built.param_groups[0]["bias_correction"] == library.defaults["bias_correction"] is False
+    assert built.param_groups[0]["update_clip"] == library.defaults["update_clip"]
+    onebit = build_optimizer(recipe_from_dict({"optimizer": {"name": "onebit_adam"}}), model, torch.device("cpu"), 1).optimizer
+    assert onebit.freeze_step == OneBitAdam(model.parameters()).freeze_step

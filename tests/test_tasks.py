@@ -114,3 +114,37 @@ def test_run_directory_rules_hold_under_torchrun(tmp_path, cache_dir):
     assert again.returncode == 0, again.stderr[-3000:]
     assert not (run_dir / "notes.txt").exists()
     assert [r["step"] for r in metrics(run_dir)] == [1, 2]  # a new metrics.jsonl, not appended to
+
+
+def image_tree(root: Path, counts: dict[str, int], corrupt: str | None = None) -> Path:
+    """train/ and val/ with `counts` 8x8 images per class; `corrupt` names one train file to garble."""
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for name, count in counts.items():
+            (root / split / name).mkdir(parents=True, exist_ok=True)
+            for i in range(count):
+                Image.new("RGB", (8, 8), (i * 7 % 256, 0, 0)).save(root / split / name / f"{i}.png")
+    if corrupt:
+        (root / "train" / corrupt).write_bytes(b"this is not a PNG")
+    return root
+
+
+BAD_IMAGE_DATA = {
+    "missing root": (lambda root: root / "absent", "absent/train does not exist"),
+    "empty class folder": (lambda root: image_tree(root, {"a": 16, "b": 0}), "b has no image files"),
+    "no images": (lambda root: image_tree(root, {"a": 0, "b": 0}), "has no image files in its class subfolders"),
+    "corrupt file met in training": (lambda root: image_tree(root, {"a": 16, "b": 16}, corrupt="b/5.png"), "b/5.png is corrupt or unreadable"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_IMAGE_DATA))
+def test_bad_image_data_stops_the_run_with_one_sentence(tmp_path, case):
+    make, message = BAD_IMAGE_DATA[case]
+    root = make(tmp_path / "images")
+    # 32 images per epoch and a global batch of 32: the first step reads every image, on both ranks.
+    done = zoa("run", "recipes/resnet18_tiny.yaml", "--out", str(tmp_path / "run"),
+               *sets("data.source=folder", f"data.root={root}", "data.workers=1", "train.steps=2", "train.val_every=0",
+                     "train.global_batch_size=32", "train.micro_batch_size=16", "logging.wandb=disabled", "logging.tensorboard=false"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]

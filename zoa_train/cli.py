@@ -77,9 +77,9 @@ def run_command(
         results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite)
     else:
         results = [run_rank(config.to_dict(), str(run_dir), resume or None, overwrite)]
-    for result in results:
-        if result and "user_error" in result:
-            fail(result["user_error"])
+    errors = sorted((r for r in results if r and "user_error" in r), key=lambda r: r.get("another_rank", False))
+    if errors:  # the rank that met the problem first, then those it stopped
+        fail(errors[0]["user_error"])
     if results[0]:
         console.print(results[0])
 

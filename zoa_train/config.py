@@ -64,7 +64,7 @@ class DataConfig:
 @dataclass
 class OptimizerConfig:
     """Defaults are the library's (zoa_train.optim), which follow the authors' DeepSpeed defaults;
-    docs/recipes.md says which values the recipes change and why."""
+    docs/algorithm.md ("Defaults") lists them beside the authors' values."""
 
     name: Literal["adam", "onebit_adam", "zero_one_adam"] = "zero_one_adam"
     lr: float = _library_default(ZeroOneAdam, "lr")

@@ -174,12 +174,13 @@ def summarize(run: RunLog, target: float | None) -> dict:
         raise RankFailed(f"{run.path}/metrics.jsonl has no records.")
     last = records[-1]
     hit = first_reaching(run, target) if target is not None else None
+    rate = next(k for k in last if k.endswith("_per_s"))  # tokens_per_s, images_per_s: the task's unit
     return {
         "optimizer": run.optimizer,
         "run_dir": str(run.path),
         "steps": last["step"],
         "median_step_s": median_step_time(records),
-        "tokens_per_s": statistics.median(r["tokens_per_s"] for r in records),
+        rate: statistics.median(r[rate] for r in records if rate in r),  # validation-only records have none
         "bits_per_param": last["bits_per_param"],
         "rounds": last["rounds"],
         "bytes_sent_per_rank": last["bytes_sent"],  # rank 0's ledger: what the optimizer sent
@@ -432,7 +433,7 @@ def format_netsim(result: dict):
         lines = [
             ("steps", lambda r: f"{r['steps']:,}"),
             ("median step time", lambda r: f"{r['median_step_s'] * 1e3:.0f} ms"),
-            ("tokens / s", lambda r: f"{r['tokens_per_s']:,.0f}"),
+            ("throughput", lambda r: next(f"{v:,.0f} {k.removesuffix('_per_s')}/s" for k, v in r.items() if k.endswith("_per_s"))),
             ("bits / param / step", lambda r: f"{r['bits_per_param']:.3f}"),
             ("rounds", lambda r: f"{r['rounds']:,}"),
             ("bytes sent / rank", lambda r: format_bytes(r["bytes_sent_per_rank"])),

@@ -34,20 +34,62 @@ from zoa_train.train.rundir import RunDirectory
 log = logging.getLogger(__name__)
 
 
+_FAILURE_KEY = "zoa_train/user_error"
+
+
 def run_rank(recipe_dict: dict, run_dir: str, resume: str | None, overwrite: bool = False) -> dict | None:
     """Body of one rank; rank 0 returns the run's summary. A UserError (bad data file, checkpoint, ...)
-    comes back as {"user_error": message} so the launching process can report it in one sentence."""
+    comes back as {"user_error": message} so the launching process can report it in one sentence.
+
+    A UserError met by one rank alone (a corrupt image in its batch) breaks the others' next
+    collective; the failing rank leaves its message in the rendezvous store first, so the others
+    report that sentence ({"user_error": ..., "another_rank": True}) instead of a connection error."""
     trainer = None
     try:
         trainer = Trainer(recipe_from_dict(recipe_dict), Path(run_dir), resume, overwrite)
         return trainer.fit()
     except UserError as e:
+        _store_set(_FAILURE_KEY, str(e))
         return {"user_error": str(e)}
+    except RuntimeError:
+        message = _store_get(_FAILURE_KEY, wait_s=5.0)
+        if message is None:
+            raise
+        return {"user_error": message, "another_rank": True}
     finally:
         if trainer is not None:
             trainer.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _store():
+    """The rendezvous key-value store: it outlives a broken process group (torchrun's agent holds it)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.distributed_c10d._get_default_store()
+
+
+def _store_set(key: str, value: str) -> None:
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(RuntimeError):  # the store is gone too: the others report their own error
+            store.set(key, value)
+
+
+def _store_get(key: str, wait_s: float) -> str | None:
+    store = _store()
+    deadline = time.monotonic() + wait_s
+    while store is not None:
+        try:
+            if store.check([key]):
+                return store.get(key).decode()
+        except RuntimeError:
+            return None
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+    return None
 
 
 def lr_schedule(recipe: Recipe) -> LRSchedule:
