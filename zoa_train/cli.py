@@ -182,6 +182,13 @@ def eval_imagenet(
     console.print(table)
 
 
+# Commands defined beside their code in zoa_train/evaluation/ (each module imports its heavy
+# dependencies inside the command, so `zoa-train --help` stays fast).
+# [register: export]
+# [register: language]
+# [register: glue]
+
+
 @bench_app.command("comm")
 def bench_comm(
     sizes: Annotated[str, typer.Option(help="Comma-separated element counts (k, M, G suffixes). [default: 1M,16M,64M]")] = "1M,16M,64M",

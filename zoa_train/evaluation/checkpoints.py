@@ -1,0 +1,110 @@
+"""Loading a trained language model for evaluation or export, from whatever the user points at.
+
+`load_language_model(path)` accepts a run directory (its latest complete checkpoint), a checkpoint
+directory, a model file inside a run directory, or a Hugging Face directory (`zoa-train export`'s
+output, or any GPT-2/BERT model saved with save_pretrained). A checkpoint taken inside a 0/1 Adam
+local-step period holds each rank's own parameters (rank_XXXXX.pt "model"); its model is then the
+ranks' average, and `averaged_ranks` says how many were averaged.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from zoa_train.errors import UserError
+
+FAMILIES = {"gpt2": "GPT-2", "bert": "BERT"}
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # on the CPU, in eval mode
+    tokenizer: object  # a transformers PreTrainedTokenizerBase
+    kind: str  # "gpt2" or "bert"
+    step: int | None  # the checkpoint's step, when known
+    source: str  # what was loaded, for reports
+    averaged_ranks: int = 1  # > 1: the ranks' parameters differed and were averaged
+
+
+def load_language_model(path: str | Path, expect: str | None = None) -> LoadedModel:
+    """The model and tokenizer at `path`; `expect` ("gpt2" or "bert") refuses the other family in one sentence."""
+    path = Path(path)
+    loaded = _load_hugging_face(path) if (path / "config.json").is_file() else _load_checkpoint(path)
+    if expect is not None and loaded.kind != expect:
+        raise UserError(f"{path} holds a {FAMILIES.get(loaded.kind, loaded.kind)} model; this evaluation needs a {FAMILIES[expect]} model.")
+    loaded.model.eval()
+    return loaded
+
+
+def _load_hugging_face(path: Path) -> LoadedModel:
+    import transformers
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+        if config.model_type not in FAMILIES:
+            raise UserError(f"{path} holds a {config.model_type} model; zoa-train evaluates GPT-2 and BERT models.")
+        if config.model_type == "gpt2":
+            model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        elif "BertForPreTraining" in (config.architectures or []):
+            model = transformers.AutoModelForPreTraining.from_pretrained(path)
+        else:
+            model = transformers.AutoModelForMaskedLM.from_pretrained(path)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is not a loadable Hugging Face model directory: {str(e).strip().splitlines()[0]}") from None
+    return LoadedModel(model, tokenizer, config.model_type, None, str(path))
+
+
+def _load_checkpoint(path: Path) -> LoadedModel:
+    import transformers
+
+    from zoa_train.config import load_recipe
+    from zoa_train.models import build_bert, build_gpt2
+    from zoa_train.train.rundir import MARKER, read_marker, resolve_model_file
+
+    model_file, run = resolve_model_file(path)
+    if run is None:
+        raise UserError(f"{model_file} lies outside a run directory: its recipe.yaml and tokenizer/ are needed to rebuild the model.")
+    recipe = load_recipe(run.path / "recipe.yaml")
+    kind = recipe.model.kind
+    if kind not in FAMILIES:
+        raise UserError(f"{run.path} trained a {kind} model; this needs a GPT-2 or BERT run.")
+    tokenizer_dir = run.path / "tokenizer"
+    if not tokenizer_dir.is_dir():
+        raise UserError(f"run directory {run.path} has no tokenizer/ directory.")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    cfg = dataclasses.replace(recipe.model, init_from=None)  # the weights come from the checkpoint
+    if kind == "gpt2":
+        model = build_gpt2(cfg, len(tokenizer), recipe.data.seq_len, tokenizer.eos_token_id)
+    else:
+        model = build_bert(cfg, len(tokenizer), recipe.data.seq_len, tokenizer.pad_token_id)
+    state, ranks = _averaged_state(model_file)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise UserError(f"{model_file} does not fit the model of {run.path / 'recipe.yaml'}: {str(e).strip().splitlines()[0]}") from None
+    checkpoint = model_file.parent
+    step = read_marker(checkpoint).get("step") if (checkpoint / MARKER).is_file() else None
+    return LoadedModel(model, tokenizer, kind, step, str(model_file), ranks)
+
+
+def _averaged_state(model_file: Path) -> tuple[dict, int]:
+    """model.pt, or the average of the ranks' own models when the checkpoint holds them (floats are
+    averaged, integer buffers taken from rank 0)."""
+    state = torch.load(model_file, map_location="cpu", weights_only=True)
+    per_rank = []
+    for rank_file in sorted(model_file.parent.glob("rank_*.pt")):
+        saved = torch.load(rank_file, map_location="cpu", weights_only=False)
+        if "model" in saved:
+            per_rank.append(saved["model"])
+    if not per_rank:
+        return state, 1
+    averaged = {}
+    for key, value in per_rank[0].items():
+        if value.is_floating_point():
+            averaged[key] = torch.stack([s[key].float() for s in per_rank]).mean(dim=0).to(value.dtype)
+        else:
+            averaged[key] = value
+    return averaged, len(per_rank)
