@@ -184,9 +184,13 @@ def eval_imagenet(
 
 # Commands defined beside their code in zoa_train/evaluation/ (each module imports its heavy
 # dependencies inside the command, so `zoa-train --help` stays fast).
-# [register: export]
-# [register: language]
-# [register: glue]
+from zoa_train.evaluation.export import export_command  # noqa: E402
+app.command("export")(export_command)
+from zoa_train.evaluation.language import lambada_command, wikitext_command  # noqa: E402
+eval_app.command("wikitext")(wikitext_command)
+eval_app.command("lambada")(lambada_command)
+from zoa_train.evaluation.glue import glue_command  # noqa: E402
+eval_app.command("glue")(glue_command)
 
 
 @bench_app.command("comm")

@@ -74,7 +74,10 @@ def _load_checkpoint(path: Path) -> LoadedModel:
     tokenizer_dir = run.path / "tokenizer"
     if not tokenizer_dir.is_dir():
         raise UserError(f"run directory {run.path} has no tokenizer/ directory.")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir)
+    # A tokenizer trained by zoa-train omits token_type_ids, which BERT's sentence pairs need (segment B
+    # is 1, as in training); asking for them also records them in a re-saved tokenizer_config.json.
+    inputs = {"model_input_names": ["input_ids", "token_type_ids", "attention_mask"]} if kind == "bert" else {}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, **inputs)
     cfg = dataclasses.replace(recipe.model, init_from=None)  # the weights come from the checkpoint
     if kind == "gpt2":
         model = build_gpt2(cfg, len(tokenizer), recipe.data.seq_len, tokenizer.eos_token_id)
@@ -93,11 +96,11 @@ def _load_checkpoint(path: Path) -> LoadedModel:
 def _averaged_state(model_file: Path) -> tuple[dict, int]:
     """model.pt, or the average of the ranks' own models when the checkpoint holds them (floats are
     averaged, integer buffers taken from rank 0)."""
-    state = torch.load(model_file, map_location="cpu", weights_only=True)
+    state = _read(model_file, weights_only=True)
     per_rank = []
     for rank_file in sorted(model_file.parent.glob("rank_*.pt")):
-        saved = torch.load(rank_file, map_location="cpu", weights_only=False)
-        if "model" in saved:
+        saved = _read(rank_file, weights_only=False)
+        if isinstance(saved, dict) and "model" in saved:
             per_rank.append(saved["model"])
     if not per_rank:
         return state, 1
@@ -108,3 +111,12 @@ def _averaged_state(model_file: Path) -> tuple[dict, int]:
         else:
             averaged[key] = value
     return averaged, len(per_rank)
+
+
+def _read(file: Path, weights_only: bool):
+    """torch.load, with a file torch cannot read (truncated, not a checkpoint) refused in one sentence."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # noqa: BLE001 -- unpickling, zip and version errors alike: the file is unusable
+        # torch's own messages run to several sentences: the exception's name is enough to go on.
+        raise UserError(f"{file} is not a readable PyTorch checkpoint file ({type(e).__name__}).") from None
