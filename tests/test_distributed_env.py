@@ -4,10 +4,11 @@ import os
 
 import pytest
 
-from zoa_train.distributed import cluster_environment, export_slurm_environment, first_slurm_node, threads_per_rank
+from zoa_train.distributed import cluster_environment, cuda_device_index, export_slurm_environment, first_slurm_node, threads_per_rank
+from zoa_train.errors import UserError
 
-TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_JOB_NODELIST")
+TORCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_STEP_ID", "SLURM_JOB_NODELIST", "SLURM_STEP_TASKS_PER_NODE", "SLURM_NTASKS_PER_NODE")
 
 
 @pytest.fixture
@@ -64,3 +65,21 @@ def test_threads_per_rank_shares_the_cores_unless_told(monkeypatch, clean_env):
     assert threads_per_rank(64) == cores
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads_per_rank(64) == 3
+
+
+def test_ranks_map_to_the_gpus_they_can_see():
+    assert [cuda_device_index(r, 8, 8) for r in range(8)] == list(range(8))  # torchrun on an 8-GPU machine
+    assert [cuda_device_index(r, 4, 8) for r in range(4)] == [0, 1, 2, 3]
+    assert [cuda_device_index(r, 4, 1) for r in range(4)] == [0, 0, 0, 0]  # srun --gpus-per-task 1: one GPU each
+    with pytest.raises(UserError, match="4 ranks on this machine but 2 GPUs"):
+        cuda_device_index(3, 4, 2)
+    with pytest.raises(UserError, match="sees none"):
+        cuda_device_index(0, 1, 0)
+
+
+def test_slurm_tasks_per_node_become_the_local_world_size(clean_env):
+    for name, value in (("SLURM_PROCID", "5"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1"), ("SLURM_STEP_ID", "0"),
+                        ("SLURM_JOB_NODELIST", "gpu1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2)")):
+        clean_env.setenv(name, value)
+    export_slurm_environment()
+    assert os.environ["LOCAL_WORLD_SIZE"] == "4" and os.environ["LOCAL_RANK"] == "1"

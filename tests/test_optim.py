@@ -350,3 +350,30 @@ def test_a_recipe_without_optimizer_keys_gets_the_library_defaults():
     assert built.param_groups[0]["update_clip"] == library.defaults["update_clip"]
     onebit = build_optimizer(recipe_from_dict({"optimizer": {"name": "onebit_adam"}}), model, torch.device("cpu"), 1).optimizer
     assert onebit.freeze_step == OneBitAdam(model.parameters()).freeze_step
+
+
+def _adam_baseline_step(rank, world_size, bias_correction):
+    from torch.nn.parallel import DistributedDataParallel
+
+    from zoa_train.config import recipe_from_dict
+    from zoa_train.train.optimizers import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 2)
+    recipe = recipe_from_dict({"optimizer": {"name": "adam", "bias_correction": bias_correction, "lr": 0.1}})
+    opt = build_optimizer(recipe, model, torch.device("cpu"), world_size)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))  # each rank its own batch
+    opt.module(x).pow(2).mean().backward()
+    grad = model.weight.grad.clone()
+    kind = opt.step()
+    return isinstance(opt.module, DistributedDataParallel), type(opt.optimizer).__name__, kind, grad, model.weight.detach().clone()
+
+
+@pytest.mark.parametrize("bias_correction", [True, False])
+def test_adam_is_ddp_with_either_bias_correction(bias_correction):
+    ranks = run_ranks(_adam_baseline_step, 2, bias_correction)
+    for is_ddp, name, kind, _, _ in ranks:
+        assert is_ddp and kind == "f"
+        assert name == ("AdamW" if bias_correction else "DataParallelAdam")
+    assert torch.equal(ranks[0][3], ranks[1][3])  # DDP averaged the gradients
+    assert torch.equal(ranks[0][4], ranks[1][4])

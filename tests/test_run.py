@@ -37,8 +37,9 @@ def metrics(run_dir: Path) -> list[dict]:
 
 def test_gpt2_tiny_runs_end_to_end_and_resumes_exactly(tmp_path, cache_dir):
     # 0/1 Adam with local steps from step 2 on, so the checkpoint at step 4 lies inside a local period.
+    # Dropout on: each rank draws its own masks, from RNG states the checkpoint carries.
     knobs = short(cache_dir, 8, "train.checkpoint_every=4", "optimizer.var_freeze_step=2",
-                  "optimizer.local_steps=fixed", "optimizer.local_step_interval=3")
+                  "optimizer.local_steps=fixed", "optimizer.local_step_interval=3", "model.dropout=0.1")
     first = tmp_path / "first"
     done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), *knobs)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -61,6 +62,12 @@ def test_gpt2_tiny_runs_end_to_end_and_resumes_exactly(tmp_path, cache_dir):
     a = torch.load(first / "checkpoints" / "step_00000008" / "model.pt")
     b = torch.load(second / "checkpoints" / "step_00000008" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+    # At a synced step a rank file holds only what is the rank's own (the 1-bit error buffers: 1 + 1/n
+    # model sizes), not m, v and the anchor, which rank 0 saves once in optimizer.pt.
+    final = second / "checkpoints" / "step_00000008"
+    model_bytes = (final / "model.pt").stat().st_size
+    assert (final / "rank_00001.pt").stat().st_size < 1.7 * model_bytes
+    assert (final / "optimizer.pt").stat().st_size > 2.9 * model_bytes
 
     # --resume auto continues the latest checkpoint of the run directory: here, nothing is left to do.
     auto = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), "--resume", "auto", *knobs)
@@ -113,6 +120,7 @@ BAD_RECIPES = {
     "batch layout": (lambda r: r["train"].update(global_batch_size=30), "not divisible by micro_batch_size x world size"),
     "missing file": (lambda r: r["data"].update(source="files", train_files=["/nonexistent/corpus.txt"]), "data file /nonexistent/corpus.txt does not exist"),
     "bad choice": (lambda r: r["optimizer"].update(name="sgd"), "optimizer.name must be one of adam, onebit_adam, zero_one_adam"),
+    "nccl without GPUs": (lambda r: r["train"].update(backend="nccl"), "2 ranks need 2 GPUs and this machine has 0"),
 }
 
 

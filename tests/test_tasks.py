@@ -148,3 +148,28 @@ def test_bad_image_data_stops_the_run_with_one_sentence(tmp_path, case):
                      "train.global_batch_size=32", "train.micro_batch_size=16", "logging.wandb=disabled", "logging.tensorboard=false"))
     assert done.returncode == 2, done.stderr[-3000:]
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+def _dropout_outputs(rank, world_size, run_dir, cache_dir):
+    from zoa_train.config import load_recipe
+    from zoa_train.train.trainer import Trainer
+
+    recipe = load_recipe(ROOT / "recipes" / "gpt2_tiny.yaml", ["model.dropout=0.5", "logging.wandb=disabled", "logging.tensorboard=false",
+                                                              f"data.cache_dir={cache_dir}"])
+    trainer = Trainer(recipe, Path(run_dir), None, overwrite=True)
+    try:
+        trainer.model.train()
+        batch = {"input_ids": torch.arange(32).view(2, 16)}  # the same batch on both ranks
+        with torch.no_grad():
+            out = trainer.model(**batch).logits
+        return out, [p.detach().clone() for p in trainer.model.parameters()]
+    finally:
+        trainer.close()
+
+
+def test_each_rank_draws_its_own_dropout_masks_from_the_same_model(tmp_path, cache_dir):
+    from distributed_harness import run_ranks
+
+    (out0, params0), (out1, params1) = run_ranks(_dropout_outputs, 2, str(tmp_path / "run"), str(cache_dir))
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+    assert not torch.allclose(out0, out1)

@@ -73,6 +73,7 @@ def run_command(
         if world < 1:
             fail("--nproc must be at least 1.")
         check_batch_layout(config, world, str(recipe))
+        check_local_gpus(config.train.backend, world)
         RunDirectory(run_dir).check(resume or None, overwrite, world)  # before any rank starts; every rank checks again
         results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite)
     else:
@@ -82,6 +83,16 @@ def run_command(
         fail(errors[0]["user_error"])
     if results[0]:
         console.print(results[0])
+
+
+def check_local_gpus(backend: str, world: int) -> None:
+    """Refuse more local NCCL ranks than GPUs before starting any."""
+    import torch
+
+    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
+        visible = torch.cuda.device_count()
+        if world > visible:
+            fail(f"{world} ranks need {world} GPUs and this machine has {visible}; pass --nproc {visible} or fewer, or set train.backend=gloo.")
 
 
 @app.command("plan")

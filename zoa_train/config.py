@@ -108,6 +108,7 @@ class TrainConfig:
     seed: int = 0
     nproc: int = 2  # local ranks when not started by torchrun or srun
     backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: int = 1800  # how long a collective waits for the other ranks; must exceed the longest checkpoint write
     log_every: int = 10
     val_every: int = 100  # 0: only at the end
     val_batches: int = 8
@@ -241,7 +242,7 @@ def _check(recipe: Recipe, origin: str) -> None:
     t, o, d, m = recipe.train, recipe.optimizer, recipe.data, recipe.model
     positive = {
         "train.steps": t.steps, "train.global_batch_size": t.global_batch_size, "train.micro_batch_size": t.micro_batch_size,
-        "train.nproc": t.nproc, "train.log_every": t.log_every, "train.val_batches": t.val_batches,
+        "train.nproc": t.nproc, "train.log_every": t.log_every, "train.timeout_s": t.timeout_s, "train.val_batches": t.val_batches,
         "train.keep_checkpoints": t.keep_checkpoints, "data.seq_len": d.seq_len, "data.vocab_size": d.vocab_size,
         "optimizer.lr": o.lr, "optimizer.var_update_scaler": o.var_update_scaler, "optimizer.local_step_clip": o.local_step_clip,
         "optimizer.local_step_scaler": o.local_step_scaler, "optimizer.local_step_interval": o.local_step_interval,

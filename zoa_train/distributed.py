@@ -10,9 +10,12 @@ import os
 import re
 import subprocess
 import uuid
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from zoa_train.errors import UserError
 
 
 def default_backend() -> str:
@@ -45,13 +48,34 @@ def export_slurm_environment() -> None:
     os.environ.setdefault("RANK", os.environ["SLURM_PROCID"])
     os.environ.setdefault("WORLD_SIZE", os.environ["SLURM_NTASKS"])
     os.environ.setdefault("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+    per_node = re.match(r"\d+", os.environ.get("SLURM_STEP_TASKS_PER_NODE") or os.environ.get("SLURM_NTASKS_PER_NODE") or "")
+    if per_node:  # "4" or "4(x2)": tasks on each node
+        os.environ.setdefault("LOCAL_WORLD_SIZE", per_node.group())
     os.environ.setdefault("MASTER_ADDR", first_slurm_node(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1")))
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
-def init_process_group(backend: str | None = None, **kwargs) -> torch.device:
+def cuda_device_index(local_rank: int, local_world_size: int, visible: int) -> int:
+    """The GPU this rank uses among the `visible` ones: its local rank when every local rank has
+    a GPU of its own; 0 when each process sees exactly one (srun --gpus-per-task 1, or
+    CUDA_VISIBLE_DEVICES set per rank); otherwise a UserError."""
+    if visible == 0:
+        raise UserError("the nccl backend needs a GPU and this process sees none; use train.backend gloo to train on CPUs.")
+    if local_world_size <= visible:
+        return local_rank
+    if visible == 1:
+        return 0
+    raise UserError(
+        f"{local_world_size} ranks on this machine but {visible} GPUs visible to each; start at most {visible} "
+        "ranks per machine (or give each rank its own GPU)."
+    )
+
+
+def init_process_group(backend: str | None = None, timeout_s: float | None = None, **kwargs) -> torch.device:
     """Join the process group described by the environment (or by torch's `init_process_group`
-    keyword arguments); returns this rank's device."""
+    keyword arguments); returns this rank's device. `timeout_s` bounds how long a collective may
+    wait for the other ranks (NCCL's watchdog then fails the run); it must exceed the longest
+    pause of any rank, such as writing a large checkpoint."""
     # torch._dynamo (which torch.optim imports on first use) keeps references to the world group
     # when it is first imported after the group exists; destroy_process_group then cannot free the
     # group, Gloo's worker threads outlive the interpreter, and a rank aborts at exit ("terminate
@@ -64,8 +88,12 @@ def init_process_group(backend: str | None = None, **kwargs) -> torch.device:
     device = torch.device("cpu")
     if backend == "nccl":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        device = torch.device("cuda", cuda_device_index(local_rank, local_world, torch.cuda.device_count()))
+        torch.cuda.set_device(device)
+        kwargs.setdefault("device_id", device)  # binds the group to this GPU (eager NCCL init)
+    if timeout_s is not None:
+        kwargs["timeout"] = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         dist.init_process_group(backend, **kwargs)
     return device

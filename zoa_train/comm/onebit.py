@@ -41,8 +41,6 @@ SCALE_ROW = 1 << 12  # most elements sharing one scale: a power of two, so most 
 _ROW_ALIGN = 32
 _SCALE_BYTES = 4
 _DEVICE_BLOCK = 1 << 22  # elements per block on accelerators: few, large kernels
-# torch 2.14 renamed all_gather_into_tensor; keep older releases working.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class OneBitLayout(NamedTuple):
@@ -335,7 +333,7 @@ class OneBitAllReduce:
             self._compress(block)
 
         # Pass 2: everyone gathers every server chunk and unpacks the same average.
-        gather = _all_gather_single(self._gathered, self._mine, group=self.group, async_op=True)
+        gather = dist.all_gather_into_tensor(self._gathered, self._mine, group=self.group, async_op=True)
         self._unpack_chunk(self.rank, out)  # from its own segment, while the all-gather runs
         gather.wait()
         for j in range(n):

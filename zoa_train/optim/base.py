@@ -210,6 +210,16 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         return denom.add_(eps).masked_fill_(v == 0, float("inf"))
 
     def state_dict(self) -> dict:
+        """Everything of this rank: `shared_state_dict()` and `rank_state_dict()` together."""
+        rank = self.rank_state_dict()
+        return {**self.shared_state_dict(), "zoa_rank": rank["zoa_rank"]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.load_state_dicts(state_dict, state_dict)
+
+    def shared_state_dict(self) -> dict:
+        """The state that is the same on every rank (save it once): hyperparameters, schedules, the
+        ledger and, when the parameters are synchronised, m, v and the anchor."""
         groups, index = [], 0
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
@@ -222,24 +232,36 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             "zoa": {
                 "optimizer": type(self).__name__,
                 "world_size": self.world_size,
-                "rank": self.rank,
                 "step_count": self.step_count,
                 "numels": [f.numel for f in self._flat],
-            "sizes": [f.size for f in self._flat],
-                "buffers": self._buffers,
-                "comms": [c.state_dict() if c is not None else None for c in self._comms],
+                "sizes": [f.size for f in self._flat],
+                "buffers": None if self.parameters_differ else self._buffers,
                 "scalars": self._scalars,
                 "schedule": self.schedule.state_dict() if self.schedule is not None else None,
                 "ledger": self.ledger.state_dict(),
             },
         }
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        saved = state_dict.get("zoa")
+    def rank_state_dict(self) -> dict:
+        """This rank's own state: the 1-bit error buffers and, inside a local-step period (when the
+        ranks' momenta differ), the flat buffers too."""
+        return {
+            "zoa_rank": {
+                "optimizer": type(self).__name__,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "comms": [c.state_dict() if c is not None else None for c in self._comms],
+                "buffers": self._buffers if self.parameters_differ else None,
+            }
+        }
+
+    def load_state_dicts(self, shared: dict, rank: dict) -> None:
+        """Restore from a shared state (any rank's) and this rank's own state."""
+        saved, mine = shared.get("zoa"), rank.get("zoa_rank")
         name = type(self).__name__
-        if saved is None or saved["optimizer"] != name:
+        if saved is None or mine is None or saved["optimizer"] != name or mine["optimizer"] != name:
             raise ValueError(f"this optimizer state is not a {name} state")
-        if saved["world_size"] != self.world_size:
+        if saved["world_size"] != self.world_size or mine["world_size"] != self.world_size:
             raise ValueError(
                 f"the {name} state was saved on {saved['world_size']} ranks and this run has {self.world_size}: "
                 "its error buffers and local state are per rank, so resume at the same world size"
@@ -248,12 +270,15 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             raise ValueError(f"the {name} state is for parameter groups of sizes {saved['numels']}, not {[f.numel for f in self._flat]}")
         if saved.get("sizes") != [f.size for f in self._flat]:
             raise ValueError(f"the {name} state was saved with another 1-bit layout (an older zoa-train or another scale_row)")
-        for group, saved_group in zip(self.param_groups, state_dict["param_groups"]):
+        buffers = saved["buffers"] if saved["buffers"] is not None else mine["buffers"]
+        if buffers is None:
+            raise ValueError(f"the {name} state holds neither shared nor per-rank buffers")
+        for group, saved_group in zip(self.param_groups, shared["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
-        for buffers, saved_buffers in zip(self._buffers, saved["buffers"]):
-            for key, tensor in buffers.items():
+        for current, saved_buffers in zip(self._buffers, buffers):
+            for key, tensor in current.items():
                 tensor.copy_(saved_buffers[key])
-        for comm, saved_comm in zip(self._comms, saved["comms"]):
+        for comm, saved_comm in zip(self._comms, mine["comms"]):
             if comm is not None:
                 comm.load_state_dict(saved_comm)
         self._scalars = [dict(s) for s in saved["scalars"]]

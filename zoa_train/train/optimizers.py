@@ -1,12 +1,11 @@
 """The optimizer a run trains with, built from the recipe in one place, behind one interface.
 
 `build_optimizer(recipe, model, device)` returns either
-  DDPAdamW          `adam`: DDP + torch.optim.AdamW (foreach, fused on CUDA), the baseline users
-                    would pick; DDP communicates during backward and this object records it
-  SelfSyncing       `onebit_adam`, `zero_one_adam`, and `adam` with `bias_correction: false`
-                    (DataParallelAdam: AdamW always applies bias correction, so the baseline runs
-                    the same math as the 1-bit optimizers it is compared with); the model is not
-                    wrapped in DDP: the optimizer communicates
+  DDPAdam           `adam`: DDP with Adam on top (AdamW, or without bias correction the same math
+                    as the 1-bit optimizers), the baseline users would run; DDP communicates
+                    during backward, overlapped with it, and this object records it
+  SelfSyncing       `onebit_adam`, `zero_one_adam`: the model is not wrapped in DDP, the
+                    optimizer communicates
 Both expose what the trainer needs and nothing about which they are: `module` (what the forward
 pass runs), `optimizer` (for the lr scheduler), `ledger`, `no_sync()`, `step() -> step kind`,
 `variance_updates`, `parameters_differ`, `synchronize()` (parameters and statistics, ending any
@@ -45,20 +44,36 @@ def batchnorm_statistics(model: torch.nn.Module) -> list[torch.Tensor]:
     return [t for t in found if t is not None]
 
 
-class DDPAdamW:
+class DDPAdam:
+    """`adam`: what users run, DDP (bucketed allreduce overlapped with backward, gradients as bucket
+    views, buffers broadcast only when the model has BatchNorm statistics) with Adam on top:
+    torch.optim.AdamW (fused on CUDA) with bias correction, or without it DataParallelAdam over a
+    one-rank group (the gradients are already averaged, so it only does the math, the same math
+    as the 1-bit optimizers)."""
+
     def __init__(self, model: torch.nn.Module, recipe: Recipe, device: torch.device, world_size: int):
+        import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
         o = recipe.optimizer
-        self.module = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+        self.module = DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            gradient_as_bucket_view=True,
+            broadcast_buffers=bool(batchnorm_statistics(model)),
+        )
         self.comm_dtype = DTYPES[o.allreduce_dtype]
         hook = {torch.float16: default_hooks.fp16_compress_hook, torch.bfloat16: default_hooks.bf16_compress_hook}.get(self.comm_dtype)
         if hook:
             self.module.register_comm_hook(None, hook)
-        fused = device.type == "cuda"
         groups = parameter_groups(model, o.weight_decay)
-        self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=fused, foreach=not fused)
+        if o.bias_correction:
+            fused = device.type == "cuda"
+            self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=fused, foreach=not fused)
+        else:
+            own, _ = dist.new_subgroups(group_size=1)  # a collective: every rank makes its one-rank group
+            self.optimizer = DataParallelAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, bias_correction=False, process_group=own)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.ledger = CommLedger(num_params=self.num_params)
         self.world_size = world_size
@@ -89,21 +104,19 @@ class DDPAdamW:
     def average_statistics(self) -> None:
         """DDP's buffers stay as DDP keeps them."""
 
+    # Adam's state is the same on every rank: saved once, nothing per rank.
     def shared_state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "ledger": self.ledger.state_dict(), "steps": self.steps}
-
-    def load_shared_state_dict(self, state: dict) -> None:
-        if "ledger" not in state:
-            raise ValueError("the checkpoint holds another optimizer's state, not adam's")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.ledger.load_state_dict(state["ledger"])
-        self.steps = state["steps"]
+        return {"adamw": self.optimizer.state_dict(), "ledger": self.ledger.state_dict(), "steps": self.steps}
 
     def rank_state_dict(self) -> dict:
         return {}
 
-    def load_rank_state_dict(self, state: dict) -> None:
-        pass
+    def load_state_dicts(self, shared: dict, rank: dict) -> None:
+        if "adamw" not in shared:
+            raise ValueError("the checkpoint holds another optimizer's state, not adam's (DDP + AdamW)")
+        self.optimizer.load_state_dict(shared["adamw"])
+        self.ledger.load_state_dict(shared["ledger"])
+        self.steps = shared["steps"]
 
 
 class SelfSyncing:
@@ -134,33 +147,27 @@ class SelfSyncing:
     def average_statistics(self) -> None:
         self.optimizer.average_now()
 
+    # State identical on every rank is saved once (by rank 0); each rank file holds only what is its own.
     def shared_state_dict(self) -> dict:
-        return {}
-
-    def load_shared_state_dict(self, state: dict) -> None:
-        pass
+        return self.optimizer.shared_state_dict()
 
     def rank_state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict()}
+        return self.optimizer.rank_state_dict()
 
-    def load_rank_state_dict(self, state: dict) -> None:
-        if "optimizer" not in state:
-            raise ValueError("the checkpoint holds adam's (DDP) state, not this optimizer's")
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dicts(self, shared: dict, rank: dict) -> None:
+        self.optimizer.load_state_dicts(shared, rank)
 
 
-TrainingOptimizer = DDPAdamW | SelfSyncing
+TrainingOptimizer = DDPAdam | SelfSyncing
 
 
 def build_optimizer(recipe: Recipe, model: torch.nn.Module, device: torch.device, world_size: int) -> TrainingOptimizer:
     o = recipe.optimizer
-    if o.name == "adam" and o.bias_correction:
-        return DDPAdamW(model, recipe, device, world_size)
+    if o.name == "adam":
+        return DDPAdam(model, recipe, device, world_size)
     groups = parameter_groups(model, o.weight_decay)
     common = dict(lr=o.lr, betas=o.betas, eps=o.eps, bias_correction=o.bias_correction, allreduce_dtype=DTYPES[o.allreduce_dtype])
-    if o.name == "adam":
-        optimizer = DataParallelAdam(groups, **common)
-    elif o.name == "onebit_adam":
+    if o.name == "onebit_adam":
         optimizer = OneBitAdam(groups, freeze_step=o.freeze_step, **common)
     else:
         optimizer = ZeroOneAdam(groups, **o.schedule_knobs(), update_clip=o.update_clip, **common)

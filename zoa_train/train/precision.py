@@ -20,8 +20,9 @@ class LossScaler:
     rank overflows every rank skips the step together and no optimizer state is touched (with the
     1-bit optimizers each rank holds its own, unaveraged gradients)."""
 
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 2000):
+    def __init__(self, enabled: bool, device: torch.device | str = "cpu", init_scale: float = 2.0**16, growth_interval: int = 2000):
         self.enabled = enabled
+        self.device = torch.device(device)  # of the overflow flag: NCCL reduces device tensors only
         self.scale = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
         self.good_steps = 0
@@ -34,7 +35,7 @@ class LossScaler:
         if not self.enabled:
             return False
         grads = [p.grad for p in params if p.grad is not None]
-        found = torch.zeros(1, device=grads[0].device if grads else "cpu")
+        found = torch.zeros(1, device=self.device)
         if grads:
             inv = torch.full((1,), 1.0 / self.scale, device=found.device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)

@@ -5,8 +5,10 @@ Layout (rank 0 writes everything except each rank's own checkpoint file):
   metrics.jsonl          one JSON record per log step (zoa_train/runs.py reads it)
   tensorboard/, wandb/   when enabled
   tokenizer/ or classes.json   what the task needs beside the model (the task writes it)
-  checkpoints/step_00000100/   model.pt and trainer.pt (rank 0), rank_00000.pt, rank_00001.pt, ...
-                               (each rank's optimizer state, data position and RNG states), COMPLETE
+  checkpoints/step_00000100/   model.pt, optimizer.pt and trainer.pt (rank 0: what is the same on every
+                               rank, saved once), rank_00000.pt, rank_00001.pt, ... (what is each
+                               rank's own: 1-bit error buffers, data position, RNG states, and inside
+                               a 0/1 Adam local-step period its parameters and momentum), COMPLETE
 
 A checkpoint is first written under `step_00000100.tmp/`; after every rank has written, rank 0
 writes the COMPLETE marker and renames the directory, so a checkpoint is either whole or

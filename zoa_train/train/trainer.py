@@ -92,6 +92,11 @@ def _store_get(key: str, wait_s: float) -> str | None:
     return None
 
 
+def rank_seed(seed: int, rank: int) -> int:
+    """A seed for this rank's own random draws, unrelated to the other ranks' and to `seed` itself."""
+    return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1)
+
+
 def lr_schedule(recipe: Recipe) -> LRSchedule:
     s = recipe.schedule
     return LRSchedule(s.name, recipe.optimizer.lr, s.warmup_steps, s.decay_factor, s.decay_every, s.min_lr, recipe.train.steps)
@@ -101,7 +106,7 @@ class Trainer:
     def __init__(self, recipe: Recipe, run_dir: Path, resume: str | None = None, overwrite: bool = False):
         self.recipe = recipe
         t = recipe.train
-        self.device = init_process_group(None if t.backend == "auto" else t.backend)
+        self.device = init_process_group(None if t.backend == "auto" else t.backend, timeout_s=t.timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
         torch.set_num_threads(threads_per_rank(self.world))
@@ -110,12 +115,15 @@ class Trainer:
         checkpoint = self.run_dir.prepare(resume, overwrite, self.world, self.rank)
 
         self.task = build_task(recipe, self.rank, self.world)
-        torch.manual_seed(t.seed)
+        torch.manual_seed(t.seed)  # the same initial model on every rank
         self.model = self.task.build_model().to(self.device)
+        # From here on each rank draws its own dropout masks (the same masks on every rank would
+        # correlate the ranks' gradients); the RNG states are in the checkpoint, so resume is exact.
+        torch.manual_seed(rank_seed(t.seed, self.rank))
         self.opt = build_optimizer(recipe, self.model, self.device, self.world)
         self.ledger = self.opt.ledger
         self.scheduler = lr_schedule(recipe).scheduler(self.opt.optimizer)
-        self.scaler = LossScaler(t.precision == "fp16")
+        self.scaler = LossScaler(t.precision == "fp16", self.device)
         self.step = 0
         self.wall_offset = 0.0
         if checkpoint is not None:
@@ -163,9 +171,10 @@ class Trainer:
             record = {}
             if self.step % t.log_every == 0 or last:
                 dist.all_reduce(loss_sum)  # monitoring only: one scalar every log_every steps
+                loss = loss_sum.item() / self.world  # waits for the device: the window's work is done
                 elapsed = time.perf_counter() - window_start
                 train_record = {
-                    "loss": loss_sum.item() / self.world,
+                    "loss": loss,
                     "lr": lr,
                     throughput_key: units_per_step * window_steps / max(elapsed, 1e-9),
                     "bits_per_param": self.ledger.average_bits_per_param,
@@ -208,7 +217,7 @@ class Trainer:
             "loader": self.task.loader.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
-                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "device": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,  # this rank's GPU only
                 "numpy": np.random.get_state(),
                 "python": random.getstate(),
             },
@@ -231,20 +240,21 @@ class Trainer:
         self.run_dir.save(self.step, self.rank, self.world, rank_state, shared, self.recipe.train.keep_checkpoints)
 
     def _load(self, path: Path) -> None:
+        # Everything is read to the CPU and copied into place: loading onto the GPU would hold
+        # extra model-sized copies there, and RNG states must be CPU byte tensors.
         load = self.run_dir.load
-        self.model.load_state_dict(load(path, "model.pt", self.device))
-        mine = load(path, f"rank_{self.rank:05d}.pt", self.device)
+        self.model.load_state_dict(load(path, "model.pt"))
+        mine = load(path, f"rank_{self.rank:05d}.pt")
         if "model" in mine:
             self.model.load_state_dict(mine["model"])
         try:
-            self.opt.load_shared_state_dict(load(path, "optimizer.pt", self.device))
-            self.opt.load_rank_state_dict(mine["optimizer"])
+            self.opt.load_state_dicts(load(path, "optimizer.pt"), mine["optimizer"])
         except (ValueError, KeyError) as e:  # another optimizer, model size or 1-bit layout
             raise UserError(f"cannot resume from {path}: {e}.") from None
         self.task.loader.load_state_dict(mine["loader"])
-        torch.set_rng_state(mine["rng"]["torch"].cpu())
-        if mine["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(mine["rng"]["cuda"])
+        torch.set_rng_state(mine["rng"]["torch"])
+        if mine["rng"].get("device") is not None and self.device.type == "cuda":
+            torch.cuda.set_rng_state(mine["rng"]["device"], self.device)
         np.random.set_state(mine["rng"]["numpy"])
         random.setstate(mine["rng"]["python"])
         shared = load(path, "trainer.pt")
