@@ -81,6 +81,17 @@ def run_command(
     errors = sorted((r for r in results if r and "user_error" in r), key=lambda r: r.get("another_rank", False))
     if errors:  # the rank that met the problem first, then those it stopped
         fail(errors[0]["user_error"])
+    stopped = next((r for r in results if r and r.get("preempted")), None)
+    if stopped:
+        from zoa_train.train.trainer import EXIT_PREEMPTED
+
+        Console(stderr=True).print(
+            f"stopped at step {stopped['step']} on a termination signal after a complete checkpoint; "
+            f"continue with: zoa-train run {recipe} --out {run_dir} --resume auto",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(EXIT_PREEMPTED)
     if results[0]:
         console.print(results[0])
 

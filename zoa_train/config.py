@@ -105,6 +105,7 @@ class TrainConfig:
     micro_batch_size: int = 16  # sequences per forward/backward on one rank
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 0.0  # max norm of this rank's gradient (0: off)
+    skip_nonfinite: int = 0  # steps with a NaN/inf loss to skip (all ranks together, one scalar allreduce per step); 0: stop at the first
     seed: int = 0
     nproc: int = 2  # local ranks when not started by torchrun or srun
     backend: Literal["auto", "gloo", "nccl"] = "auto"
@@ -253,7 +254,7 @@ def _check(recipe: Recipe, origin: str) -> None:
         if value <= 0:
             raise UserError(f"{origin}: {key} must be positive, not {value}.")
     non_negative = {
-        "train.grad_clip": t.grad_clip, "train.val_every": t.val_every, "train.checkpoint_every": t.checkpoint_every,
+        "train.grad_clip": t.grad_clip, "train.skip_nonfinite": t.skip_nonfinite, "train.val_every": t.val_every, "train.checkpoint_every": t.checkpoint_every,
         "optimizer.weight_decay": o.weight_decay, "optimizer.eps": o.eps, "schedule.warmup_steps": recipe.schedule.warmup_steps,
         "model.dropout": m.dropout, "data.workers": d.workers,
     }

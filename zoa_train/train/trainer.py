@@ -13,6 +13,8 @@ averaged in full precision, and a global norm would cost a full-precision allred
 import contextlib
 import logging
 import random
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 
 
 _FAILURE_KEY = "zoa_train/user_error"
+_STOP_KEY, _STOP_COUNT = "zoa_train/stop_at", "zoa_train/stop_requests"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what schedulers send before they kill (Slurm: --signal=USR1@120)
+EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a complete checkpoint; `--resume auto` continues exactly
 
 
 def run_rank(recipe_dict: dict, run_dir: str, resume: str | None, overwrite: bool = False) -> dict | None:
@@ -126,6 +131,12 @@ class Trainer:
         self.scaler = LossScaler(t.precision == "fp16", self.device)
         self.step = 0
         self.wall_offset = 0.0
+        self.skipped_nonfinite = 0
+        self.first_nonfinite = self._step_tensor(self._NONE)
+        self.stop_requested, self.stop_at = False, None
+        self._previous_handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            self._previous_handlers = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
         if checkpoint is not None:
             self._load(checkpoint)
         elif resume:
@@ -158,6 +169,16 @@ class Trainer:
             if self.scaler.unscale_and_check(params):
                 self.opt.optimizer.zero_grad(set_to_none=True)
                 continue  # every rank skips: no optimizer step, schedule or state touched
+            if t.skip_nonfinite:
+                if self._nonfinite_anywhere(loss_sum):  # agreed by one scalar allreduce per step
+                    self.skipped_nonfinite += 1
+                    if self.skipped_nonfinite > t.skip_nonfinite:
+                        self._stop_nonfinite(self.step + 1)
+                    log.warning("step %d: the loss is not finite on some rank; every rank skips the step", self.step + 1)
+                    self.opt.optimizer.zero_grad(set_to_none=True)
+                    continue
+            else:  # no communication: remember the first such step, checked at log steps and checkpoints
+                self.first_nonfinite = torch.where(torch.isfinite(loss_sum), self.first_nonfinite, torch.minimum(self.first_nonfinite, self._step_tensor(self.step + 1)))
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
             lr = self.opt.optimizer.param_groups[0]["lr"]
@@ -169,6 +190,8 @@ class Trainer:
 
             last = self.step == t.steps
             record = {}
+            if self.step % t.log_every == 0 or last or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
+                self._check_finite()  # before anything is logged or saved
             if self.step % t.log_every == 0 or last:
                 dist.all_reduce(loss_sum)  # monitoring only: one scalar every log_every steps
                 loss = loss_sum.item() / self.world  # waits for the device: the window's work is done
@@ -193,15 +216,78 @@ class Trainer:
                 record |= val_record
             if record:
                 self.metrics.log({"step": self.step, **record, "wall_time": time.perf_counter() - started})
-            if (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last:
+            saved = (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last
+            if saved:
                 self.wall_offset = time.perf_counter() - started
                 self.save()
+            if not last and self._stop_step() == self.step:
+                if not saved:
+                    self._check_finite()
+                    self.wall_offset = time.perf_counter() - started
+                    self.save()
+                log.warning("stopped at step %d on a termination signal, after a complete checkpoint", self.step)
+                return {"preempted": True, "step": self.step, "run_dir": str(self.run_dir.path)}
             window_start += time.perf_counter() - paused
         if not self.is_main:
             return None
         summary = {"step": self.step, **train_record, **val_record, "wall_time": time.perf_counter() - started}
         summary.pop("step_kinds", None)
         return summary | {"run_dir": str(self.run_dir.path)}
+
+    # ---- preemption ---------------------------------------------------------------------------
+
+    def _request_stop(self, signum, frame) -> None:
+        self.stop_requested = True  # acted on between steps: a handler must not touch the training state
+
+    def _stop_step(self) -> int | None:
+        """The step at which every rank stops, once any rank got a stop signal. The first rank to get
+        one proposes a step no rank can have passed yet (ranks may run ahead of each other by up to
+        a local-step period) and the rendezvous store gives every rank that same step."""
+        if self.stop_at is not None:
+            return self.stop_at
+        store = _store()
+        if self.stop_requested:
+            o = self.recipe.optimizer
+            lead = o.local_step_clip if o.name == "zero_one_adam" else 1
+            proposal = self.step + lead + 1
+            if store is None:
+                self.stop_at = proposal
+            else:
+                if store.add(_STOP_COUNT, 1) == 1:
+                    store.set(_STOP_KEY, str(proposal))
+                self.stop_at = int(store.get(_STOP_KEY))  # waits for the first proposer's value
+        elif store is not None and store.check([_STOP_KEY]):  # one store round trip a step, nothing on the data path
+            self.stop_at = int(store.get(_STOP_KEY))
+        if self.stop_at is not None and self.stop_at < self.step:
+            raise RuntimeError(f"rank {self.rank} is at step {self.step}, past the agreed stop step {self.stop_at}")
+        return self.stop_at
+
+    # ---- numerical faults -----------------------------------------------------------------------
+
+    _NONE = 2**62  # first_nonfinite while every loss so far was finite
+
+    def _step_tensor(self, step: int) -> torch.Tensor:
+        return torch.tensor(step, dtype=torch.int64, device=self.device)
+
+    def _nonfinite_anywhere(self, loss: torch.Tensor) -> bool:
+        flag = (~torch.isfinite(loss)).to(torch.float32).reshape(1)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def _check_finite(self) -> None:
+        """Stop every rank, before it logs or saves, if any rank's loss was NaN or infinite since the last check."""
+        first = self.first_nonfinite.clone()
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        if int(first) < self._NONE:
+            self._stop_nonfinite(int(first))
+
+    def _stop_nonfinite(self, step: int) -> None:
+        latest = self.run_dir.latest()
+        kept = f"; the last checkpoint, {latest}, was written before it and is intact" if latest is not None else ""
+        raise UserError(
+            f"the loss was NaN or infinite at step {step} on at least one rank, so the run stopped{kept}: lower optimizer.lr, "
+            "set train.grad_clip or let train.skip_nonfinite skip such steps, then continue with --resume auto."
+        )
 
     def validate(self) -> dict[str, float]:
         """The task's validation metrics over `val_batches` micro-batches per rank, averaged over the ranks."""
@@ -235,6 +321,7 @@ class Trainer:
                     "scaler": self.scaler.state_dict(),
                     "wall_time": self.wall_offset,
                     "world_size": self.world,
+                    "skipped_nonfinite": self.skipped_nonfinite,
                 },
             }
         self.run_dir.save(self.step, self.rank, self.world, rank_state, shared, self.recipe.train.keep_checkpoints)
@@ -261,8 +348,11 @@ class Trainer:
         self.scheduler.load_state_dict(shared["scheduler"])
         self.scaler.load_state_dict(shared["scaler"])
         self.step, self.wall_offset = shared["step"], shared["wall_time"]
+        self.skipped_nonfinite = shared.get("skipped_nonfinite", 0)
 
     def close(self) -> None:
         if hasattr(self, "metrics"):
             self.metrics.close()
         self.task.close()
+        for sig, handler in self._previous_handlers.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,89 @@
+"""Faults met during a run: a NaN/inf loss stops every rank before anything is logged or saved after it."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def zoa(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zoa_train.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def exploding(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
+    # Adam at lr 1e6 without clipping: step 1 is fine, the loss of step 2 is already infinite.
+    sets = ["train.steps=12", "train.log_every=4", "train.val_every=0", "train.checkpoint_every=1", "optimizer.name=adam",
+            "optimizer.lr=1e6", "train.grad_clip=0", "schedule.warmup_steps=0", "logging.wandb=disabled",
+            "logging.tensorboard=false", f"data.cache_dir={cache_dir}", *extra]
+    return ["run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zoa-cache")
+
+
+def test_a_nonfinite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    done = zoa(*exploding(run_dir, cache_dir))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "NaN or infinite at step 2" in done.stderr and "step_00000001" in done.stderr and "Traceback" not in done.stderr
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["step_00000001"]
+    assert all(torch.isfinite(v).all() for v in torch.load(run_dir / "checkpoints" / "step_00000001" / "model.pt").values() if v.is_floating_point())
+    assert not (run_dir / "metrics.jsonl").read_text().strip()  # nothing logged after the fault
+
+
+def test_skip_nonfinite_skips_steps_on_every_rank_up_to_its_limit(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    done = zoa(*exploding(run_dir, cache_dir, "train.skip_nonfinite=3"))
+    assert done.returncode == 2, done.stderr[-3000:]
+    # Skipped steps leave the parameters alone, so the same fault recurs: three skips, then the stop.
+    assert done.stderr.count("every rank skips the step") >= 3 and "NaN or infinite at step 2" in done.stderr
+    state = torch.load(run_dir / "checkpoints" / "step_00000001" / "trainer.pt", weights_only=False)
+    assert state["skipped_nonfinite"] == 0 and state["step"] == 1
+
+
+def rank_pids(launcher: int) -> list[int]:
+    """The rank processes `zoa-train run` started (multiprocessing spawn children of the launcher)."""
+    found = subprocess.run(["pgrep", "-P", str(launcher), "-f", "spawn_main"], capture_output=True, text=True).stdout.split()
+    return sorted(int(p) for p in found)
+
+
+def test_a_termination_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_path, cache_dir):
+    import os
+    import signal
+    import time
+
+    sets = ["train.steps=30", "train.log_every=1", "train.val_every=0", "train.checkpoint_every=0", "train.val_batches=1",
+            "optimizer.var_freeze_step=2", "optimizer.local_steps=fixed", "optimizer.local_step_interval=3",
+            "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={cache_dir}"]
+    args = [a for s in sets for a in ("--set", s)]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    assert zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(whole), *args).returncode == 0
+
+    run = subprocess.Popen([sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), *args],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = stopped / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+        time.sleep(0.2)
+    ranks = rank_pids(run.pid)
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGTERM)  # one rank only: the store tells the other
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 75, stderr[-3000:]
+    assert "on a termination signal" in stderr and "--resume auto" in stderr and "Traceback" not in stderr
+    (checkpoint,) = (stopped / "checkpoints").iterdir()
+    step = int(checkpoint.name.removeprefix("step_"))
+    assert 3 <= step < 30
+
+    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), "--resume", "auto", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a = torch.load(whole / "checkpoints" / "step_00000030" / "model.pt")
+    b = torch.load(stopped / "checkpoints" / "step_00000030" / "model.pt")
+    assert all(torch.equal(a[k], b[k]) for k in a)
