@@ -248,3 +248,24 @@ def test_unpack_into_bf16_output():
     out = torch.empty(20, dtype=torch.bfloat16)
     unpack_signs(pack_signs(x), 20, out=out)
     assert torch.equal(out, torch.where(x >= 0, 1.0, -1.0).bfloat16())
+
+
+def _tiny_gradient_variance_step(rank, world_size, dtype):
+    from zoa_train.optim import ZeroOneAdam
+
+    x = torch.nn.Parameter(torch.zeros(4096))
+    opt = ZeroOneAdam([x], lr=1e-3, var_freeze_step=10, allreduce_dtype=dtype)
+    x.grad = torch.full((4096,), 1e-8) * torch.linspace(0.5, 1.5, 4096)
+    x.grad[0] = 1.0  # one large coordinate: the rest are 1e-8 of it, far below fp16's range without a scale
+    opt.step()
+    assert opt.last_step.variance_updated
+    state = opt.state_dict()["zoa"]["buffers"][0]
+    return state["exp_avg"][:4096].clone(), state["exp_avg_sq"][:4096].clone()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gradients_of_1e_8_survive_a_16_bit_variance_step(dtype):
+    m, v = run_ranks(_tiny_gradient_variance_step, 2, dtype)[0]
+    expected = torch.full((4096,), 1e-8) * torch.linspace(0.5, 1.5, 4096)
+    assert (v[1:] > 0).all()  # no coordinate frozen at v = 0 for ever
+    assert torch.allclose(m[1:], 0.1 * expected[1:], rtol=1e-2)

@@ -1,12 +1,20 @@
-"""RunDirectory on one process: what it refuses, what it empties, trims and publishes."""
+"""RunDirectory on one process: what it refuses, what it empties, trims and publishes; checksums,
+failed saves and the run-directory lock."""
 
+import errno
 import json
+import logging
+import os
+import socket
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from zoa_train.errors import UserError
-from zoa_train.train.rundir import RunDirectory
+from zoa_train.train import rundir
+from zoa_train.train.rundir import RunDirectory, read_manifest, read_marker
 
 
 def test_check_refuses_what_a_run_must_not_touch(tmp_path):
@@ -41,7 +49,8 @@ def test_prepare_empties_with_overwrite_and_trims_metrics_on_resume(tmp_path):
         run.prepare("auto", False, 2, 0)
 
     run.prepare(None, True, 1, 0)
-    assert run.path.is_dir() and not any(run.path.iterdir())
+    assert run.path.is_dir() and [p.name for p in run.path.iterdir()] == [".lock"]  # only the lock survives
+    run.close()
 
 
 def test_save_keeps_the_newest_checkpoints(tmp_path):
@@ -50,3 +59,180 @@ def test_save_keeps_the_newest_checkpoints(tmp_path):
         run.save(step, 0, 1, {}, {}, keep=2)
     assert [p.name for p in sorted(run.checkpoints.iterdir())] == ["step_00000002", "step_00000003"]
     assert run.latest().name == "step_00000003"
+
+
+def _save(run, step, keep=5):
+    return run.save(step, 0, 1, {"x": torch.full((64,), float(step))}, {"model.pt": {"w": torch.ones(8) * step}}, keep=keep)
+
+
+def _flip_byte(path, at=-20):
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_marker_records_checksums_and_old_markers_still_load(tmp_path):
+    run = RunDirectory(tmp_path)
+    saved = _save(run, 1)
+    assert read_marker(saved) == {"step": 1, "world_size": 1}
+    manifest = read_manifest(saved)
+    assert sorted(manifest) == ["model.pt", "rank_00000.pt"]
+    assert manifest["model.pt"][0] == (saved / "model.pt").stat().st_size
+    assert manifest["model.pt"][1] == rundir.file_digest(saved / "model.pt")
+    (saved / "COMPLETE").write_text("step 1\nworld_size 1\n")  # a marker from before checksums
+    assert run.latest() == saved and run.check("auto", False, 1) == saved
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete"])
+def test_auto_resume_skips_a_damaged_newest_checkpoint(tmp_path, caplog, damage):
+    run = RunDirectory(tmp_path)
+    older, newest = _save(run, 4), _save(run, 8)
+    bad = newest / "rank_00000.pt"
+    if damage == "flip":
+        _flip_byte(bad)
+    elif damage == "truncate":
+        bad.write_bytes(bad.read_bytes()[:-5])
+    else:
+        bad.unlink()
+    with caplog.at_level(logging.WARNING, logger="zoa_train.train.rundir"):
+        assert run.prepare("auto", False, 1, 0) == older
+    run.close()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("step_00000008" in w and "rank_00000.pt" in w for w in warnings), warnings
+    assert torch.equal(run.load(older, "rank_00000.pt")["x"], torch.full((64,), 4.0))
+    _flip_byte(older / "model.pt")  # nothing intact left: refuse rather than silently start again
+    with pytest.raises(UserError, match="every complete checkpoint .* is damaged"):
+        run.check("auto", False, 1)
+
+
+def test_explicit_resume_of_a_damaged_checkpoint_names_the_file(tmp_path):
+    run = RunDirectory(tmp_path)
+    saved = _save(run, 4)
+    assert run.check(str(saved), False, 1) == saved
+    _flip_byte(saved / "model.pt")
+    with pytest.raises(UserError, match=r"checkpoint .*step_00000004 is damaged: .*model\.pt does not match") as e:
+        run.prepare(str(saved), False, 1, 0)
+    assert str(e.value).count(". ") == 0 and str(e.value).endswith(".")  # one sentence
+    with pytest.raises(UserError, match=r"model\.pt does not match"):
+        rundir.resolve_model_file(saved)
+
+
+@pytest.mark.parametrize("failing", ["save_file", "_write_synced"])
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, failing):
+    run = RunDirectory(tmp_path)
+    previous = _save(run, 4, keep=1)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(rundir, failing, no_space)
+    with pytest.raises(UserError, match=r"^could not write checkpoint step_00000008 under .*checkpoints: No space left on device; ") as e:
+        _save(run, 8, keep=1)  # keep=1: pruning first would have lost step 4
+    assert "\n" not in str(e.value)
+    monkeypatch.undo()
+    assert [p.name for p in run.checkpoints.iterdir()] == ["step_00000004"]  # no staging left behind
+    assert run.latest() == previous and run.check("auto", False, 1) == previous
+    assert torch.equal(run.load(previous, "model.pt")["w"], torch.ones(8) * 4)
+    assert _save(run, 8, keep=1).name == "step_00000008" and run.latest().name == "step_00000008"
+    assert [p.name for p in run.checkpoints.iterdir()] == ["step_00000008"]  # pruned once the new one was complete
+
+
+def test_saving_a_step_again_replaces_it_whole(tmp_path):
+    run = RunDirectory(tmp_path)
+    _save(run, 4)
+    again = run.save(4, 0, 1, {"x": torch.zeros(3)}, {"model.pt": {}}, keep=5)
+    assert [p.name for p in run.checkpoints.iterdir()] == ["step_00000004"]
+    assert torch.equal(run.load(again, "rank_00000.pt")["x"], torch.zeros(3)) and run.latest() == again
+
+
+def test_the_lock_refuses_a_second_job_until_closed(tmp_path):
+    first, second = RunDirectory(tmp_path / "run"), RunDirectory(tmp_path / "run")
+    first.prepare(None, False, 1, 0)
+    (first.path / "notes.txt").write_text("keep")
+    holder = f"pid {os.getpid()} on host {socket.gethostname()}"
+    for resume, overwrite in ((None, False), ("auto", False), (None, True)):
+        with pytest.raises(UserError, match=f"^run directory .*run is in use by another job \\({holder}\\)\\.$"):
+            second.prepare(resume, overwrite, 1, 0)
+    with pytest.raises(UserError, match="in use by another job"):
+        second.check("auto", False, 1)  # the launcher's read-only check refuses too
+    assert (first.path / "notes.txt").read_text() == "keep"  # --overwrite by the second job emptied nothing
+    first.prepare(None, True, 1, 0)  # the holder may empty it: the lock survives
+    assert [p.name for p in first.path.iterdir()] == [".lock"]
+    with pytest.raises(UserError, match="in use by another job"):
+        second.prepare(None, True, 1, 0)
+    first.close()
+    second.prepare(None, False, 1, 0)
+    second.close()
+    second.close()  # idempotent
+
+
+def test_a_refused_run_leaves_no_directory_or_lock(tmp_path):
+    run = RunDirectory(tmp_path / "new")
+    with pytest.raises(UserError, match="no such checkpoint directory"):
+        run.prepare(str(tmp_path / "nowhere"), False, 1, 0)
+    assert not run.path.exists() and run._lock is None
+
+
+def test_the_lock_of_a_dead_process_does_not_block(tmp_path):
+    path = tmp_path / "run"
+    code = (
+        "import sys; from zoa_train.train.rundir import RunDirectory\n"
+        f"run = RunDirectory({str(path)!r}); run.prepare(None, False, 1, 0)\n"
+        "print('locked', flush=True); sys.stdin.read()\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(UserError, match=f"in use by another job \\(pid {proc.pid} on host "):
+            RunDirectory(path).prepare("auto", False, 1, 0)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert str(proc.pid) in (path / ".lock").read_text()  # the stale file is still there
+    run = RunDirectory(path)
+    assert run.prepare("auto", False, 1, 0) is None  # and does not block
+    assert (path / ".lock").read_text().split()[0] == str(os.getpid())
+    run.close()
+
+
+def _two_ranks(rank, world_size, path):
+    """Each rank's own file is hashed by that rank; a damaged rank file and a failed write on one
+    rank give the same outcome on every rank."""
+    import torch.distributed as dist
+
+    run = RunDirectory(path)
+    out = {"start": run.prepare(None, False, world_size, rank)}
+    for step in (2, 4):
+        run.save(step, rank, world_size, {"r": torch.full((16,), float(rank))}, {"model.pt": {"w": torch.ones(2)}} if rank == 0 else {}, keep=5)
+    if rank == 0:
+        out["manifest"] = sorted(read_manifest(run.checkpoints / "step_00000004"))
+        out["sidecars"] = sorted(p.name for p in run.checkpoints.rglob("*.sha256"))
+        _flip_byte(run.checkpoints / "step_00000004" / "rank_00001.pt")
+    dist.barrier()
+    out["resumed"] = run.prepare("auto", False, world_size, rank).name
+    original = rundir.save_file
+
+    def full_on_rank_1(obj, file):
+        if rank == 1:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return original(obj, file)
+
+    rundir.save_file = full_on_rank_1
+    try:
+        run.save(6, rank, world_size, {}, {}, keep=1)
+    except UserError as e:
+        out["error"] = str(e)
+    rundir.save_file = original
+    out["left"] = sorted(p.name for p in run.checkpoints.iterdir())
+    run.close()
+    return out
+
+
+def test_two_ranks_agree_on_damage_and_on_a_failed_save(tmp_path):
+    from distributed_harness import run_ranks
+
+    out0, out1 = run_ranks(_two_ranks, 2, str(tmp_path / "run"), timeout=120)
+    assert out0["manifest"] == ["model.pt", "rank_00000.pt", "rank_00001.pt"] and out0["sidecars"] == []
+    assert out0["resumed"] == out1["resumed"] == "step_00000002"
+    assert "could not write checkpoint step_00000006" in out0["error"] and out0["error"] == out1["error"]
+    assert out0["left"] == out1["left"] == ["step_00000002", "step_00000004"]

@@ -1,5 +1,7 @@
 """Full-precision collectives that record themselves in a CommLedger."""
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -25,6 +27,21 @@ def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
     return 2 * (world_size - 1) * numel * element_size // world_size
 
 
+_FP16_MAX = 65504.0
+
+
+def _fp16_scale(tensor: torch.Tensor, world: int, group) -> float:
+    """A power of two that puts the group's largest |value| times the world size just under fp16's
+    maximum, so that the sum cannot overflow and small values (gradients of 1e-8, below fp16's
+    smallest subnormal, 6e-8) are not flushed to zero. Costs one scalar MAX allreduce."""
+    peak = tensor.detach().abs().max().float().reshape(1)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    peak = float(peak)
+    if not peak > 0 or peak == float("inf"):
+        return 1.0
+    return 2.0 ** min(max(math.floor(math.log2(_FP16_MAX / (world * peak))), -126), 126)
+
+
 def allreduce(
     tensor: torch.Tensor,
     group=None,
@@ -45,12 +62,15 @@ def allreduce(
     if world == 1:
         return tensor
     ledger = ledger if ledger is not None else _DEFAULT_LEDGER
-    wire = tensor if comm_dtype in (None, tensor.dtype) else tensor.to(comm_dtype)
+    scale = _fp16_scale(tensor, world, group) if comm_dtype == torch.float16 and tensor.dtype != torch.float16 else 1.0
+    wire = tensor if comm_dtype in (None, tensor.dtype) else (tensor * scale if scale != 1.0 else tensor).to(comm_dtype)
     dist.all_reduce(wire, group=group)
-    if average:
-        wire.div_(world)
     if wire is not tensor:
         tensor.copy_(wire)
+    if average or scale != 1.0:
+        tensor.div_((world if average else 1) * scale)
+    if comm_dtype == torch.float16 and tensor.dtype != torch.float16:  # the scale's scalar: a call, no parameter bits
+        ledger.record("allreduce_fp16_scale", payload_bits=32, elements=0, bytes_sent=ring_allreduce_bytes(1, 4, world))
     bits = torch.finfo(wire.dtype).bits if wire.is_floating_point() else wire.element_size() * 8
     ledger.record(
         f"allreduce_{str(wire.dtype).removeprefix('torch.')}",

@@ -19,11 +19,34 @@ Preparation runs on every rank whatever started it (`zoa-train run`, torchrun, s
 decides (refuses a non-empty directory without --overwrite or --resume, empties it with
 --overwrite, trims metrics.jsonl back to the resumed step) and every rank gets the same decision,
 so all ranks fail alike or none does.
+
+Integrity: every file of a checkpoint is hashed (SHA-256) right after it is written; each rank
+other than 0 leaves its file's size and digest in a sidecar (rank_00001.pt.sha256) that rank 0
+folds into the COMPLETE marker as `file NAME SIZE SHA256` lines beside `step` and `world_size`.
+Resuming checks sizes, then hashes (rank 0, a few threads): `--resume auto` skips a damaged
+newest checkpoint for the previous intact one with a warning, `--resume PATH` to a damaged one is
+a UserError naming the file. Markers written before checksums existed are trusted as they are.
+
+A failed write (disk full, ...) is agreed on by every rank and stops the run with one sentence;
+the staging directory is dropped and the earlier checkpoints are untouched (older ones are pruned
+only after the new one is complete).
+
+Lock: rank 0 holds an exclusive flock on <run>/.lock (which records its pid and host) from
+`prepare` until `close`, so a second job on the same directory is refused at once; the kernel drops
+the lock when the process dies, so a stale file never blocks. `--overwrite` empties the directory
+around the lock file, after the lock is taken.
 """
 
+import errno
+import fcntl
+import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import socket
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -33,27 +56,67 @@ from zoa_train.errors import UserError
 
 MARKER = "COMPLETE"
 METRICS = "metrics.jsonl"
+LOCK = ".lock"
+SIDECAR = ".sha256"
+_CHUNK = 1 << 20
+_CHECKPOINT_NAME = re.compile(r"step_\d+")
+
+log = logging.getLogger(__name__)
 
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def save_file(obj, path: Path) -> None:
-    """torch.save through a temporary name, fsynced, so a crash never leaves a torn file."""
+def file_digest(path: Path) -> str:
+    """SHA-256 of a file, read in 1 MiB chunks (hashlib releases the GIL: threads hash in parallel)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def save_file(obj, path: Path) -> tuple[int, str]:
+    """torch.save through a temporary name, fsynced, so a crash never leaves a torn file; returns
+    the file's (size, SHA-256), hashed right after writing (the bytes are still in the page cache)."""
     tmp = path.with_suffix(path.suffix + ".part")
     with open(tmp, "wb") as f:
         torch.save(obj, f)
         f.flush()
         os.fsync(f.fileno())
+    recorded = (tmp.stat().st_size, file_digest(tmp))
     os.replace(tmp, path)
+    return recorded
+
+
+def _write_synced(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".part")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # not every file system fsyncs directories
+    finally:
+        os.close(fd)
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first."""
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith("step_") and not p.name.endswith(".tmp")]
+    found = [p for p in root.iterdir() if p.is_dir() and _CHECKPOINT_NAME.fullmatch(p.name)]
     return sorted((p for p in found if (p / MARKER).is_file()), key=lambda p: p.name)
 
 
@@ -67,6 +130,42 @@ def read_marker(checkpoint: Path) -> dict[str, int]:
     if "world_size" not in fields:
         raise UserError(f"{checkpoint / MARKER} does not record a world size; the checkpoint is damaged.")
     return fields
+
+
+def read_manifest(checkpoint: Path) -> dict[str, tuple[int, str]]:
+    """name -> (size, SHA-256) of each file a COMPLETE marker records ({} for markers older than checksums)."""
+    manifest = {}
+    for line in (checkpoint / MARKER).read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[0] == "file" and parts[2].isdigit():
+            manifest[parts[1]] = (int(parts[2]), parts[3])
+    return manifest
+
+
+def verify_checkpoint(checkpoint: Path, hashes: bool = True, names: set[str] | None = None) -> str | None:
+    """None when a complete checkpoint is intact, else what is wrong, naming the file: every recorded
+    file must exist with its recorded size; with `hashes`, those in `names` (all by default) must
+    also match their SHA-256."""
+    try:
+        read_marker(checkpoint)
+        manifest = read_manifest(checkpoint)
+    except (UserError, OSError, UnicodeDecodeError):
+        return f"{checkpoint / MARKER} is unreadable or records no world size"
+    for name, (size, _) in manifest.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path} is missing"
+        actual = path.stat().st_size
+        if actual != size:
+            return f"{path} has {actual} bytes where {size} were written"
+    if hashes:
+        todo = [name for name in manifest if names is None or name in names]
+        with ThreadPoolExecutor(max_workers=max(1, min(8, len(todo), os.cpu_count() or 1))) as pool:
+            digests = list(pool.map(lambda name: file_digest(checkpoint / name), todo))
+        for name, digest in zip(todo, digests):
+            if digest != manifest[name][1]:
+                return f"{checkpoint / name} does not match the SHA-256 checksum recorded when it was written"
+    return None
 
 
 def check_resumable(checkpoint: Path, world_size: int) -> None:
@@ -85,48 +184,148 @@ class RunDirectory:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.checkpoints = self.path / "checkpoints"
+        self._lock = None  # the open .lock file while this object holds the run directory
+
+    # ---- the lock ------------------------------------------------------------------------------
+
+    def _in_use(self, holder: str) -> UserError:
+        pid, _, host = holder.strip().partition(" ")
+        who = f" (pid {pid} on host {host})" if pid.isdigit() and host else ""
+        return UserError(f"run directory {self.path} is in use by another job{who}.")
+
+    def lock(self) -> None:
+        """Take the exclusive, non-blocking lock on <run>/.lock (creating the directory), or raise
+        a UserError naming the job that holds it. Held until close() or this process ends."""
+        if self._lock is not None:
+            return
+        self.path.mkdir(parents=True, exist_ok=True)
+        f = open(self.path / LOCK, "a+")
+        try:
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            f.seek(0)
+            holder = f.read()
+            f.close()
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise self._in_use(holder) from None
+            raise UserError(f"cannot lock run directory {self.path}: {e.strerror or e}.") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"{os.getpid()} {socket.gethostname()}\n")
+        f.flush()
+        self._lock = f
+
+    def _probe_lock(self) -> None:
+        """Refuse a directory another job holds, without keeping (or creating) the lock."""
+        if self._lock is not None or not (self.path / LOCK).is_file():
+            return
+        try:
+            f = open(self.path / LOCK)
+        except OSError:
+            return
+        with f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise self._in_use(f.read()) from None
+                return
+
+    def close(self) -> None:
+        """Release the run directory's lock (idempotent; the lock file stays: removing it would let
+        two jobs lock two different files)."""
+        if self._lock is not None:
+            try:
+                fcntl.flock(self._lock.fileno(), fcntl.LOCK_UN)
+            finally:
+                self._lock.close()
+                self._lock = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
 
     # ---- preparation ---------------------------------------------------------------------------
 
-    def latest(self) -> Path | None:
-        """The newest complete checkpoint, or None."""
-        found = complete_checkpoints(self.checkpoints)
-        return found[-1] if found else None
+    def latest(self, hashes: bool = True, names: set[str] | None = None) -> Path | None:
+        """The newest complete checkpoint whose files are intact (see verify_checkpoint), or None;
+        a damaged one is skipped, with a warning, for the previous one."""
+        for checkpoint in reversed(complete_checkpoints(self.checkpoints)):
+            problem = verify_checkpoint(checkpoint, hashes, names)
+            if problem is None:
+                return checkpoint
+            log.warning("skipping damaged checkpoint %s (%s); trying the previous complete one", checkpoint, problem)
+        return None
 
-    def check(self, resume: str | None, overwrite: bool, world_size: int) -> Path | None:
-        """Read-only: the checkpoint to resume from (None: start at step 0), or a UserError for a
-        directory or checkpoint this run must not use."""
+    def _check_arguments(self, resume: str | None, overwrite: bool) -> None:
         if resume and overwrite:
             raise UserError("--resume and --overwrite cannot be used together.")
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"run directory {self.path} exists and is not a directory.")
+
+    def check(self, resume: str | None, overwrite: bool, world_size: int) -> Path | None:
+        """Read-only: the checkpoint to resume from (None: start at step 0), or a UserError for a
+        directory or checkpoint this run must not use (one another job holds, among them)."""
+        self._check_arguments(resume, overwrite)
+        self._probe_lock()
         if resume:
             if resume != "auto" and not Path(resume).is_dir():
                 raise UserError(f"--resume {resume}: no such checkpoint directory.")
-            target = self.latest() if resume == "auto" else Path(resume)
+            if resume == "auto":
+                target = self.latest()
+                if target is None and complete_checkpoints(self.checkpoints):
+                    raise UserError(
+                        f"every complete checkpoint under {self.checkpoints} is damaged (see the warnings above): "
+                        "resume from a copy of an intact one or pass --overwrite to start again."
+                    )
+            else:
+                target = Path(resume)
             if target is not None:
                 check_resumable(target, world_size)
+                if resume != "auto":
+                    problem = verify_checkpoint(target)
+                    if problem is not None:
+                        raise UserError(f"checkpoint {target} is damaged: {problem}.")
             return target
-        if not overwrite and self.path.is_dir() and any(self.path.iterdir()):
+        if not overwrite and self.path.is_dir() and any(p.name != LOCK for p in self.path.iterdir()):
             raise UserError(f"run directory {self.path} is not empty: pass --resume auto to continue it or --overwrite to start again.")
         return None
+
+    def _empty(self) -> None:
+        """Remove everything in the run directory but the lock file this job holds."""
+        for entry in self.path.iterdir():
+            if entry.name == LOCK:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
 
     def prepare(self, resume: str | None, overwrite: bool, world_size: int, rank: int) -> Path | None:
         """On every rank (a collective when torch.distributed is initialised): rank 0 checks and sets
         the directory up (emptied with `overwrite`, metrics.jsonl trimmed to the resumed step);
-        returns the checkpoint to resume from. Raises the same UserError on every rank."""
+        returns the checkpoint to resume from. Raises the same UserError on every rank. Rank 0 first
+        takes the run directory's lock, held until close(): the caller must call close() when the run ends."""
         decision: list = [None, None]  # [checkpoint path or None, error message or None]
         if rank == 0:
+            created, held = not self.path.exists(), self._lock is not None
             try:
+                self._check_arguments(resume, overwrite)
+                self.lock()  # before emptying or trimming anything: two jobs never both get here
                 target = self.check(resume, overwrite, world_size)
-                if overwrite and self.path.exists():
-                    shutil.rmtree(self.path)
-                self.path.mkdir(parents=True, exist_ok=True)
+                if overwrite:
+                    self._empty()
                 if resume:
                     self.trim_metrics(read_marker(target)["step"] if target is not None else 0)
                 decision = [str(target) if target is not None else None, None]
             except UserError as e:
                 decision = [None, str(e)]
+                if self._lock is not None and not held:
+                    if created:  # leave no trace of a refused run (removed while still locked)
+                        shutil.rmtree(self.path, ignore_errors=True)
+                    self.close()
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(decision, src=0)
         if decision[1] is not None:
@@ -148,31 +347,87 @@ class RunDirectory:
 
     def save(self, step: int, rank: int, world_size: int, rank_state: dict, shared_files: dict[str, object], keep: int) -> Path:
         """Collective: every rank writes `rank_state` as rank_XXXXX.pt; rank 0 also writes each of
-        `shared_files` (name -> object, e.g. model.pt), then publishes the checkpoint and drops all
-        but the newest `keep`."""
-        staged = self.checkpoints / (checkpoint_name(step) + ".tmp")
+        `shared_files` (name -> object, e.g. model.pt), then publishes the checkpoint, its files'
+        sizes and SHA-256 in the marker, and drops all but the newest `keep`. A write that fails on
+        any rank raises the same UserError on every rank and leaves the earlier checkpoints as they were."""
+        name = checkpoint_name(step)
+        staged = self.checkpoints / (name + ".tmp")
+        final = self.checkpoints / name
+        error = None
         if rank == 0:
-            shutil.rmtree(staged, ignore_errors=True)
-            staged.mkdir(parents=True)
-        _barrier()
-        save_file(rank_state, staged / f"rank_{rank:05d}.pt")
-        if rank == 0:
-            for name, obj in shared_files.items():
-                save_file(obj, staged / name)
-        _barrier()
-        final = self.checkpoints / checkpoint_name(step)
-        if rank == 0:
-            missing = [r for r in range(world_size) if not (staged / f"rank_{r:05d}.pt").is_file()]
-            if missing:
-                raise RuntimeError(f"checkpoint {staged} lacks the state of ranks {missing}")
-            (staged / MARKER).write_text(f"step {step}\nworld_size {world_size}\n")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(staged, final)
+            try:
+                shutil.rmtree(staged, ignore_errors=True)
+                staged.mkdir(parents=True)
+            except OSError as e:
+                error = self._save_error(name, e)
+        error = _agree(error)
+        if error is None:
+            own = f"rank_{rank:05d}.pt"
+            try:
+                recorded = {own: save_file(rank_state, staged / own)}
+                if rank == 0:
+                    for shared, obj in shared_files.items():
+                        recorded[shared] = save_file(obj, staged / shared)
+                else:  # rank 0 folds it into the marker: each rank hashes only its own file
+                    size, digest = recorded[own]
+                    _write_synced(staged / (own + SIDECAR), f"{size} {digest}\n")
+            except OSError as e:
+                error = self._save_error(name, e)
+            error = _agree(error)
+        if error is None and rank == 0:
+            try:
+                self._publish(staged, final, step, world_size, recorded)
+            except OSError as e:
+                error = self._save_error(name, e)
+            except _MissingRanks as e:
+                error = f"could not write checkpoint {name} under {self.checkpoints}: {e}; the earlier checkpoints are untouched."
+        error = _agree(error)
+        if error is not None:
+            if rank == 0:
+                shutil.rmtree(staged, ignore_errors=True)
+            _barrier()  # every rank sees the directory as it was before this save
+            raise UserError(error)
+        if rank == 0:  # only now that the new checkpoint is complete
             for old in complete_checkpoints(self.checkpoints)[:-keep]:
                 shutil.rmtree(old, ignore_errors=True)
         _barrier()
         return final
+
+    def _save_error(self, name: str, e: OSError) -> str:
+        return f"could not write checkpoint {name} under {self.checkpoints}: {e.strerror or e}; the earlier checkpoints are untouched."
+
+    def _publish(self, staged: Path, final: Path, step: int, world_size: int, recorded: dict[str, tuple[int, str]]) -> None:
+        """Rank 0: fold the ranks' sidecars into the marker, then make the checkpoint visible."""
+        missing = [r for r in range(world_size) if not (staged / f"rank_{r:05d}.pt").is_file()]
+        if missing:
+            raise _MissingRanks(f"the state of ranks {missing} is missing")
+        recorded = dict(recorded)
+        for r in range(1, world_size):
+            own = f"rank_{r:05d}.pt"
+            sidecar = staged / (own + SIDECAR)
+            size, _, digest = sidecar.read_text().strip().partition(" ") if sidecar.is_file() else ("", "", "")
+            if not size.isdigit() or not digest:
+                raise _MissingRanks(f"the checksum of rank {r}'s file is missing")
+            recorded[own] = (int(size), digest)
+            sidecar.unlink()
+        lines = [f"step {step}", f"world_size {world_size}"]
+        lines += [f"file {n} {size} {digest}" for n, (size, digest) in sorted(recorded.items())]
+        _write_synced(staged / MARKER, "".join(line + "\n" for line in lines))
+        _fsync_dir(staged)
+        aside = None
+        if final.exists():  # the same step saved again: keep the old one until the new one is in place
+            aside = final.with_name(final.name + ".replaced")
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
+        try:
+            os.replace(staged, final)
+        except OSError:
+            if aside is not None:
+                os.replace(aside, final)
+            raise
+        _fsync_dir(self.checkpoints)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
     @staticmethod
     def load(checkpoint: Path, name: str, device: torch.device | str = "cpu"):
@@ -185,6 +440,19 @@ def _record_step(line: str) -> float:
         return int(json.loads(line)["step"])
     except (json.JSONDecodeError, KeyError, TypeError, ValueError):
         return float("inf")  # a torn line (a crash while writing) is dropped too
+
+
+class _MissingRanks(Exception):
+    pass
+
+
+def _agree(error: str | None) -> str | None:
+    """Collective: the first rank's error message (by rank), the same on every rank, or None."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, error)
+        return next((e for e in gathered if e is not None), None)
+    return error
 
 
 def _barrier() -> None:
@@ -200,10 +468,13 @@ def resolve_model_file(path: str | Path) -> tuple[Path, "RunDirectory | None"]:
         model = path
     elif (path / MARKER).is_file():
         model = path / "model.pt"
+        problem = verify_checkpoint(path, names={"model.pt"})
+        if problem is not None:
+            raise UserError(f"checkpoint {path} is damaged: {problem}.")
     elif path.is_dir() and (path / "checkpoints").exists():
-        latest = RunDirectory(path).latest()
+        latest = RunDirectory(path).latest(names={"model.pt"})  # only the model file is read
         if latest is None:
-            raise UserError(f"run directory {path} has no complete checkpoint.")
+            raise UserError(f"run directory {path} has no intact complete checkpoint.")
         model = latest / "model.pt"
     elif path.is_dir():
         raise UserError(f"{path} is neither a run directory, a complete checkpoint nor a model file.")

@@ -118,7 +118,15 @@ class Trainer:
         self.accum = check_batch_layout(recipe, self.world)
         self.run_dir = RunDirectory(run_dir)
         checkpoint = self.run_dir.prepare(resume, overwrite, self.world, self.rank)
+        self._previous_handlers = {}
+        try:
+            self._build(recipe, resume, checkpoint)
+        except BaseException:
+            self.close()  # run_rank has no trainer to close yet: release the lock, workers and handlers here
+            raise
 
+    def _build(self, recipe: Recipe, resume: str | None, checkpoint: Path | None) -> None:
+        t = recipe.train
         self.task = build_task(recipe, self.rank, self.world)
         torch.manual_seed(t.seed)  # the same initial model on every rank
         self.model = self.task.build_model().to(self.device)
@@ -134,7 +142,6 @@ class Trainer:
         self.skipped_nonfinite = 0
         self.first_nonfinite = self._step_tensor(self._NONE)
         self.stop_requested, self.stop_at = False, None
-        self._previous_handlers = {}
         if threading.current_thread() is threading.main_thread():
             self._previous_handlers = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
         if checkpoint is not None:
@@ -282,7 +289,7 @@ class Trainer:
             self._stop_nonfinite(int(first))
 
     def _stop_nonfinite(self, step: int) -> None:
-        latest = self.run_dir.latest()
+        latest = self.run_dir.latest(hashes=False)
         kept = f"; the last checkpoint, {latest}, was written before it and is intact" if latest is not None else ""
         raise UserError(
             f"the loss was NaN or infinite at step {step} on at least one rank, so the run stopped{kept}: lower optimizer.lr, "
@@ -351,8 +358,12 @@ class Trainer:
         self.skipped_nonfinite = shared.get("skipped_nonfinite", 0)
 
     def close(self) -> None:
-        if hasattr(self, "metrics"):
-            self.metrics.close()
-        self.task.close()
-        for sig, handler in self._previous_handlers.items():
-            signal.signal(sig, handler)
+        try:
+            if hasattr(self, "metrics"):
+                self.metrics.close()
+            if hasattr(self, "task"):
+                self.task.close()
+            for sig, handler in self._previous_handlers.items():
+                signal.signal(sig, handler)
+        finally:
+            self.run_dir.close()  # the run directory's lock
