@@ -103,7 +103,8 @@ def check_local_gpus(backend: str, world: int) -> None:
     if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
         visible = torch.cuda.device_count()
         if world > visible:
-            fail(f"{world} ranks need {world} GPUs and this machine has {visible}; pass --nproc {visible} or fewer, or set train.backend=gloo.")
+            remedy = f"pass --nproc {visible} or fewer, or set train.backend=gloo" if visible else "set train.backend=gloo to train on CPUs"
+            fail(f"{world} ranks need {world} GPUs and this machine has {visible}; {remedy}.")
 
 
 @app.command("plan")

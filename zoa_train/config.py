@@ -2,7 +2,8 @@
 
 Unknown keys are refused with the closest valid key suggested; values are checked against the
 field types and a few cross-field rules; every problem is a UserError of one sentence naming the
-file and key. The resolved recipe is what the trainer uses and what it writes to the run directory.
+file and key (docs/bad-input.md lists them). A recipe file must at least name model.kind; an empty one is
+refused rather than training every default. The resolved recipe is what the trainer uses and what it writes to the run directory.
 """
 
 import dataclasses
@@ -158,11 +159,23 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raise UserError(f"{path} is not valid YAML{where}.") from None
     if not isinstance(data, dict):
         raise UserError(f"{path} must hold a mapping of sections (model, data, optimizer, ...).")
+    _check_names_a_model(data, path)
     for override in overrides:
         _apply_override(data, override, path)
     recipe = _build(Recipe, data, str(path), "")
     _check(recipe, str(path))
     return recipe
+
+
+def _check_names_a_model(data: dict, path: Path) -> None:
+    """A recipe file must at least name model.kind: every other key has a default, and an empty file
+    (or one of comments, or `{}`) would otherwise silently train the 117M GPT-2. Checked on the file
+    itself, before --set overrides, so that what a recipe file trains is always written in it."""
+    if not data:
+        raise UserError(f"recipe file {path} is empty; a recipe must at least name model.kind (e.g. model: {{kind: gpt2}}).")
+    model = data.get("model")
+    if not isinstance(model, dict) or model.get("kind") is None:
+        raise UserError(f"{path} does not name model.kind; a recipe must at least say which model it trains (gpt2, bert, resnet18, resnet34 or resnet50).")
 
 
 def recipe_from_dict(data: dict, origin: str = "recipe") -> Recipe:
@@ -267,6 +280,19 @@ def _check(recipe: Recipe, origin: str) -> None:
         raise UserError(f"{origin}: optimizer.betas must both be in [0, 1), not {list(o.betas)}.")
     if not 0 < recipe.schedule.decay_factor <= 1:
         raise UserError(f"{origin}: schedule.decay_factor must be in (0, 1], not {recipe.schedule.decay_factor}.")
+    for key, value in {"model.n_layer": m.n_layer, "model.n_embd": m.n_embd, "model.n_head": m.n_head}.items():
+        if value is not None and value <= 0:
+            raise UserError(f"{origin}: {key} must be positive, not {value}.")
+    from zoa_train.models.builders import MODEL_PRESETS, _shape  # config is imported by builders: import here
+
+    if m.kind in MODEL_PRESETS and not m.init_from:  # init_from: the pretrained model's own shape
+        try:  # the preset name, custom's three sizes, n_embd divisible by n_head: before any rank starts
+            _shape(m)
+        except UserError as e:
+            raise UserError(f"{origin}: {e}") from None
+    for name in d.train_files + d.validation_files:
+        if not any(ch in name for ch in "*?[") and Path(name).expanduser().is_dir():
+            raise UserError(f"{origin}: data file {name} is a directory; data.train_files and data.validation_files name files or glob patterns.")
     if m.next_sentence and m.kind != "bert":
         raise UserError(f"{origin}: model.next_sentence is a BERT head; set it to false for {m.kind}.")
     from zoa_train.tasks import task_class  # imports nothing heavy

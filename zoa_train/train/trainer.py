@@ -337,10 +337,10 @@ class Trainer:
         # Everything is read to the CPU and copied into place: loading onto the GPU would hold
         # extra model-sized copies there, and RNG states must be CPU byte tensors.
         load = self.run_dir.load
-        self.model.load_state_dict(load(path, "model.pt"))
+        self._load_model(path, load(path, "model.pt"))
         mine = load(path, f"rank_{self.rank:05d}.pt")
         if "model" in mine:
-            self.model.load_state_dict(mine["model"])
+            self._load_model(path, mine["model"])
         try:
             self.opt.load_state_dicts(load(path, "optimizer.pt"), mine["optimizer"])
         except (ValueError, KeyError) as e:  # another optimizer, model size or 1-bit layout
@@ -356,6 +356,23 @@ class Trainer:
         self.scaler.load_state_dict(shared["scaler"])
         self.step, self.wall_offset = shared["step"], shared["wall_time"]
         self.skipped_nonfinite = shared.get("skipped_nonfinite", 0)
+
+    def _load_model(self, path: Path, state: dict) -> None:
+        """Copy a checkpoint's weights in, or refuse a checkpoint of another model in one sentence."""
+        own = self.model.state_dict()
+        missing = [k for k in own if k not in state]
+        unexpected = [k for k in state if k not in own]
+        reshaped = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+        if missing or unexpected or reshaped:
+            if reshaped:
+                first = f"{reshaped[0]} is {list(state[reshaped[0]].shape)} there and {list(own[reshaped[0]].shape)} here"
+            else:
+                first = f"{missing[0]} is not in it" if missing else f"{unexpected[0]} is not in this model"
+            raise UserError(
+                f"cannot resume from {path}: it holds another model ({len(missing)} tensors missing, {len(unexpected)} extra, "
+                f"{len(reshaped)} of another shape; {first}); resume with the model section of the recipe that wrote it."
+            )
+        self.model.load_state_dict(state)
 
     def close(self) -> None:
         try:

@@ -1,0 +1,149 @@
+"""The bad-input catalogue (docs/bad-input.md): each case through the real CLI exits 2 with one sentence
+naming the key, file or value, no traceback, and leaves the user's files alone.
+
+Cases tested elsewhere are not repeated here: tests/test_run.py (BAD_RECIPES: unknown key, wrong type,
+impossible value, batch layout, missing data file, unknown optimizer, NCCL without GPUs; a non-empty
+run directory, a world-size mismatch, a checkpoint of another optimizer, a missing recipe, a bad --set)
+and tests/test_tasks.py (bad image data)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "gpt2_tiny.yaml")
+
+
+def zoa(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zoa_train.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def zoa_here(capsys, *args: str) -> subprocess.CompletedProcess:
+    """`zoa-train ARGS` through the console entry point in this process: the cases refused before
+    any rank starts, without paying a Python and torch start-up each (those that start ranks use zoa())."""
+    from zoa_train import cli
+
+    capsys.readouterr()
+    argv = sys.argv
+    sys.argv = ["zoa-train", *args]
+    try:
+        cli.run()
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def sets(*pairs: str) -> list[str]:
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zoa-cache")
+
+
+def quick(cache_dir: Path, *extra: str) -> list[str]:
+    """A 2-step gpt2_tiny run that writes little: for the cases that get as far as starting ranks."""
+    return sets("train.steps=2", "train.log_every=1", "train.val_batches=1", "train.val_every=0", "logging.wandb=disabled",
+                "logging.tensorboard=false", f"data.cache_dir={cache_dir}", *extra)
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, cache_dir) -> Path:
+    """One real 2-step run with a checkpoint, shared by the resume cases."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    done = zoa("run", RECIPE, "--out", str(run_dir), *quick(cache_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run_dir
+
+
+def recipe_file(text: str):
+    return lambda tmp, cache, run: (tmp.joinpath("recipe.yaml").write_text(text), [str(tmp / "recipe.yaml")])[1]
+
+
+def recipe_with(*pairs: str):
+    return lambda tmp, cache, run: [RECIPE, *sets(*pairs)]
+
+
+def directory_as_data_file(tmp, cache, run):
+    (tmp / "corpus.txt").mkdir()
+    return [RECIPE, *sets("data.source=files", f"data.train_files={tmp / 'corpus.txt'}")]
+
+
+def garbage_data_file(tmp, cache, run):
+    (tmp / "corpus.txt").write_bytes(b"\xff\xfe\x00 not text \xc3\x28\n" * 64)
+    return [RECIPE, *quick(cache, "data.source=files", f"data.train_files={tmp / 'corpus.txt'}")]
+
+
+def resume_from(where: str):
+    def args(tmp, cache, run):
+        target = {"not a checkpoint": tmp, "missing": tmp / "nothere"}[where]
+        return [RECIPE, "--resume", str(target)]
+    return args
+
+
+# name: (arguments(tmp_path, cache_dir, run_dir) -> zoa run arguments, expected text in the sentence,
+#        whether ranks start first: they prepare the run directory (new and empty here) before reading data)
+CASES = {
+    "malformed yaml": (recipe_file("model:\n  kind: gpt2\n  size: [\n"), "is not valid YAML at line", False),
+    "empty file": (recipe_file(""), "is empty; a recipe must at least name model.kind", False),
+    "only comments": (recipe_file("# nothing yet\n"), "is empty; a recipe must at least name model.kind", False),
+    "empty mapping": (recipe_file("{}\n"), "is empty; a recipe must at least name model.kind", False),
+    "no model.kind": (recipe_file("train:\n  steps: 10\n"), "does not name model.kind", False),
+    "not a mapping": (recipe_file("- gpt2\n- adam\n"), "must hold a mapping of sections", False),
+    "unknown model": (recipe_file("model:\n  kind: gpt3\n"), "model.kind must be one of gpt2, bert, resnet18, resnet34, resnet50, not 'gpt3'", False),
+    "unknown model size": (recipe_with("model.size=huge"), "model.size 'huge' is not a gpt2 preset", False),
+    "unknown schedule": (recipe_with("schedule.name=linear"), "schedule.name must be one of constant, exponential, cosine, not 'linear'", False),
+    "data of another task": (recipe_with("model.kind=resnet18"), "data.source must be digits or folder for resnet18, not 'bundled'", False),
+    "zero layers": (recipe_with("model.n_layer=0"), "model.n_layer must be positive, not 0", False),
+    "negative width": (recipe_with("model.n_embd=-8"), "model.n_embd must be positive, not -8", False),
+    "heads do not divide width": (recipe_with("model.n_head=3"), "model.n_embd 128 must be divisible by model.n_head 3", False),
+    "zero micro batch": (recipe_with("train.micro_batch_size=0"), "train.micro_batch_size must be positive, not 0", False),
+    "negative seq_len": (recipe_with("data.seq_len=-4"), "data.seq_len must be positive, not -4", False),
+    "negative warmup": (recipe_with("schedule.warmup_steps=-1"), "schedule.warmup_steps must be >= 0, not -1", False),
+    "data file is a directory": (directory_as_data_file, "corpus.txt is a directory", False),
+    "data file is not text": (garbage_data_file, "corpus.txt: 'utf-8' codec can't decode", True),
+    "resume a directory that is not a checkpoint": (resume_from("not a checkpoint"), "is not a complete checkpoint (no COMPLETE marker)", False),
+    "resume a missing directory": (resume_from("missing"), "no such checkpoint directory", False),
+}
+
+
+def check_one_sentence(done: subprocess.CompletedProcess, message: str) -> None:
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, done.stderr[-3000:]
+
+
+def contents(run_dir: Path) -> dict[Path, bytes]:
+    """Every file of a run directory but its lock (which records the last process to hold it)."""
+    return {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_input_exits_2_with_one_sentence(tmp_path, cache_dir, capsys, case):
+    make_args, message, starts_ranks = CASES[case]
+    run_dir = tmp_path / "run"
+    args = ("run", *make_args(tmp_path, cache_dir, run_dir), "--out", str(run_dir))
+    done = zoa(*args) if starts_ranks else zoa_here(capsys, *args)
+    check_one_sentence(done, message)
+    if starts_ranks:
+        assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
+    else:
+        assert not run_dir.exists()
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_the_run_is_left_alone(finished_run, cache_dir):
+    # The same optimizer and run directory, one layer more: --resume auto must not touch what is there.
+    # (A checkpoint of another optimizer: tests/test_run.py, test_gpt2_tiny_runs_end_to_end_and_resumes_exactly.)
+    before = contents(finished_run)
+    done = zoa("run", RECIPE, "--out", str(finished_run), "--resume", "auto", *quick(cache_dir, "model.n_layer=3"))
+    check_one_sentence(done, "holds another model")
+    after = contents(finished_run)
+    assert after == before
