@@ -1,0 +1,13 @@
+"""scripts/gpu_check.py, the GPU validation kept ready for a lent GPU, runs its checks on the CPU too."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_passes_on_the_cpu():
+    done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "FAIL" not in done.stdout and done.stdout.count("PASS") == 6 and "all passed" in done.stdout
