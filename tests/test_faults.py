@@ -87,3 +87,34 @@ def test_a_termination_signal_checkpoints_every_rank_and_resume_continues_exactl
     a = torch.load(whole / "checkpoints" / "step_00000030" / "model.pt")
     b = torch.load(stopped / "checkpoints" / "step_00000030" / "model.pt")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_rank_that_stops_answering_is_reported_within_the_timeout(tmp_path, cache_dir):
+    import os
+    import signal
+    import time
+
+    sets = ["train.steps=400", "train.log_every=1", "train.val_every=0", "train.checkpoint_every=0", "train.timeout_s=10",
+            "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={cache_dir}"]
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen([sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir),
+                            *[a for s in sets for a in ("--set", s)]], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+        time.sleep(0.2)
+    ranks = rank_pids(run.pid)
+    os.kill(ranks[1], signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        _, stderr = run.communicate(timeout=240)
+    finally:
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert run.returncode == 1, stderr[-3000:]
+    assert "train.timeout_s = 10 s" in stderr and "stopped answering" in stderr and "operation to complete" in stderr, stderr[-3000:]
+    assert time.monotonic() - stopped_at < 120

@@ -62,9 +62,9 @@ def run_command(
 ) -> None:
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
     from zoa_train.config import check_batch_layout, load_recipe
-    from zoa_train.distributed import cluster_environment, launch_local
+    from zoa_train.distributed import RankFailed, cluster_environment, launch_local
     from zoa_train.train.rundir import RunDirectory
-    from zoa_train.train.trainer import run_rank
+    from zoa_train.train.trainer import CollectiveTimeout, run_rank
 
     config = load_recipe(recipe, set_)
     run_dir = out or Path("runs") / recipe.stem
@@ -75,9 +75,16 @@ def run_command(
         check_batch_layout(config, world, str(recipe))
         check_local_gpus(config.train.backend, world)
         RunDirectory(run_dir).check(resume or None, overwrite, world)  # before any rank starts; every rank checks again
-        results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite)
-    else:
-        results = [run_rank(config.to_dict(), str(run_dir), resume or None, overwrite)]
+    try:
+        if cluster_environment() is None:
+            results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite)
+        else:
+            results = [run_rank(config.to_dict(), str(run_dir), resume or None, overwrite)]
+    except (RankFailed, CollectiveTimeout) as e:  # a fault, not bad input: exit 1, the rank's sentence
+        from rich.markup import escape
+
+        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        raise typer.Exit(1)
     errors = sorted((r for r in results if r and "user_error" in r), key=lambda r: r.get("another_rank", False))
     if errors:  # the rank that met the problem first, then those it stopped
         fail(errors[0]["user_error"])

@@ -118,8 +118,28 @@ def launch_local(entrypoint, nproc: int, *args):
         monitor_interval=0.1,
         start_method="spawn",
     )
-    results = elastic_launch(config, entrypoint)(*args)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        results = elastic_launch(config, entrypoint)(*args)
+    except ChildFailedError as e:
+        raise RankFailed(_root_cause(e)) from None
     return [results[rank] for rank in range(nproc)]
+
+
+class RankFailed(RuntimeError):
+    """A rank started by launch_local failed; the message is its exception's."""
+
+
+def _root_cause(error) -> str:
+    """The first failed rank's exception message, without the traceback elastic records."""
+    _, failure = error.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    text = str(message).strip()
+    last = text.splitlines()[-1] if text else f"rank {failure.local_rank} exited with code {failure.exitcode}"
+    return last.split(": ", 1)[1] if last.startswith(("CollectiveTimeout: ", "RuntimeError: ")) else last
 
 
 def threads_per_rank(world_size: int) -> int:

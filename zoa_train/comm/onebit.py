@@ -41,6 +41,9 @@ SCALE_ROW = 1 << 12  # most elements sharing one scale: a power of two, so most 
 _ROW_ALIGN = 32
 _SCALE_BYTES = 4
 _DEVICE_BLOCK = 1 << 22  # elements per block on accelerators: few, large kernels
+# torch 2.14 documents all_gather_single and deprecates all_gather_into_tensor (a FutureWarning on
+# every call); older releases have only the latter.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class OneBitLayout(NamedTuple):
@@ -333,7 +336,7 @@ class OneBitAllReduce:
             self._compress(block)
 
         # Pass 2: everyone gathers every server chunk and unpacks the same average.
-        gather = dist.all_gather_into_tensor(self._gathered, self._mine, group=self.group, async_op=True)
+        gather = _all_gather(self._gathered, self._mine, group=self.group, async_op=True)
         self._unpack_chunk(self.rank, out)  # from its own segment, while the all-gather runs
         gather.wait()
         for j in range(n):

@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 
 
 _FAILURE_KEY = "zoa_train/user_error"
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than train.timeout_s: a peer stopped answering. One sentence."""
+
 _STOP_KEY, _STOP_COUNT = "zoa_train/stop_at", "zoa_train/stop_requests"
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what schedulers send before they kill (Slurm: --signal=USR1@120)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a complete checkpoint; `--resume auto` continues exactly
@@ -56,11 +61,18 @@ def run_rank(recipe_dict: dict, run_dir: str, resume: str | None, overwrite: boo
     except UserError as e:
         _store_set(_FAILURE_KEY, str(e))
         return {"user_error": str(e)}
-    except RuntimeError:
+    except RuntimeError as e:
         message = _store_get(_FAILURE_KEY, wait_s=5.0)
-        if message is None:
-            raise
-        return {"user_error": message, "another_rank": True}
+        if message is not None:
+            return {"user_error": message, "another_rank": True}
+        if "Timed out" in str(e) and trainer is not None:  # Gloo; NCCL's watchdog names the collective itself
+            detail = str(e).strip().splitlines()[-1].split("] ")[-1]
+            raise CollectiveTimeout(
+                f"rank {trainer.rank} waited more than train.timeout_s = {trainer.recipe.train.timeout_s} s for the other ranks "
+                f"during {trainer.phase} at step {trainer.step + 1} ({detail}): a rank stopped answering (stopped, hung, or its "
+                "node is gone); see its log, then continue with --resume auto."
+            ) from None
+        raise
     finally:
         if trainer is not None:
             trainer.close()
@@ -142,6 +154,7 @@ class Trainer:
         self.skipped_nonfinite = 0
         self.first_nonfinite = self._step_tensor(self._NONE)
         self.stop_requested, self.stop_at = False, None
+        self.phase = "set-up"
         if threading.current_thread() is threading.main_thread():
             self._previous_handlers = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
         if checkpoint is not None:
@@ -166,6 +179,7 @@ class Trainer:
         while self.step < t.steps:
             self.model.train()
             loss_sum = torch.zeros((), device=self.device)
+            self.phase = "forward and backward (DDP's gradient allreduce)"
             for micro in range(self.accum):
                 batch = self.task.to_device(next(self.task.loader), self.device)
                 last_micro = micro == self.accum - 1
@@ -189,7 +203,9 @@ class Trainer:
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
             lr = self.opt.optimizer.param_groups[0]["lr"]
+            self.phase = "the optimizer step (its allreduce)"
             step_kinds += self.opt.step()
+            self.phase = "logging, validation or a checkpoint"
             self.scheduler.step()
             self.opt.optimizer.zero_grad(set_to_none=True)
             self.step += 1
