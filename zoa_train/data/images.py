@@ -32,6 +32,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from torchvision.transforms import v2
 
 from zoa_train.data.cache import exclusive_lock, temporary_name
+from zoa_train.data.lm import check_same_data, epoch_rank_order
 from zoa_train.errors import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -401,9 +402,7 @@ class DistributedImageLoader:
         """This rank's (index, seed) keys for the current epoch, shape (batches_per_epoch, micro_batch_size, 2); cached per epoch."""
         if self._keys_epoch != self.epoch:
             count = len(self.dataset)
-            permutation = np.random.default_rng([self.seed, self.epoch]).permutation(count)
-            used = permutation[: self.batches_per_epoch * self.world_size * self.micro_batch_size]
-            order = used.reshape(self.batches_per_epoch, self.world_size, self.micro_batch_size)[:, self.rank]
+            order = epoch_rank_order(count, self.seed, self.epoch, self.batches_per_epoch, self.world_size, self.micro_batch_size, self.rank)
             item_seeds = np.random.default_rng([self.seed, self.epoch, _AUGMENT_STREAM]).integers(2**63, size=count)
             self._keys, self._keys_epoch = np.stack([order, item_seeds[order]], axis=-1), self.epoch
         return self._keys
@@ -420,13 +419,7 @@ class DistributedImageLoader:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        current = self.state_dict()
-        for key in ("seed", "world_size", "micro_batch_size", "num_samples"):
-            if state[key] != current[key]:
-                raise UserError(
-                    f"Cannot resume the data loader: the checkpoint has {key}={state[key]} and this run {current[key]}; "
-                    "resume with the same data and batch settings."
-                )
+        check_same_data(state, self.state_dict())
         self.epoch, self.batch_index, self._batches = state["epoch"], state["batch_index"], None
 
     def close(self) -> None:

@@ -120,6 +120,26 @@ class SentencePairBlocks(MaskedLMBlocks):
 Blocks = CausalLMBlocks | MaskedLMBlocks
 
 
+def epoch_rank_order(count: int, seed: int, epoch: int, batches: int, world_size: int, micro_batch_size: int, rank: int) -> np.ndarray:
+    """Rank `rank`'s sample indices for `epoch`, shape (batches, micro_batch_size): a permutation drawn
+    from (seed, epoch) alone, so every rank computes the same one, cut into global batches of
+    world_size * micro_batch_size of which each rank takes its own slice; the tail is skipped."""
+    permutation = np.random.default_rng([seed, epoch]).permutation(count)
+    used = permutation[: batches * world_size * micro_batch_size]
+    return used.reshape(batches, world_size, micro_batch_size)[:, rank]
+
+
+def check_same_data(saved: dict[str, int], current: dict[str, int]) -> None:
+    """Refuse a saved loader position whose data or batch settings differ from this run's (every key
+    but the position itself must match)."""
+    for key in (k for k in current if k not in ("epoch", "batch_index")):
+        if saved[key] != current[key]:
+            raise UserError(
+                f"Cannot resume the data loader: the checkpoint has {key}={saved[key]} and this run {current[key]}; "
+                "resume with the same data and batch settings."
+            )
+
+
 def step_generator(*keys: int) -> torch.Generator:
     """A torch generator seeded from several integers, mixed so that nearby keys give unrelated streams."""
     seed = int(np.random.SeedSequence(keys).generate_state(1, np.uint64)[0])
@@ -169,9 +189,7 @@ class DistributedBatchLoader:
     def _rank_order(self) -> np.ndarray:
         """This rank's block indices for the current epoch, shape (batches_per_epoch, micro_batch_size); cached per epoch."""
         if self._order_epoch != self.epoch:
-            permutation = np.random.default_rng([self.seed, self.epoch]).permutation(len(self.blocks))
-            used = permutation[: self.batches_per_epoch * self.world_size * self.micro_batch_size]
-            self._order = used.reshape(self.batches_per_epoch, self.world_size, self.micro_batch_size)[:, self.rank]
+            self._order = epoch_rank_order(len(self.blocks), self.seed, self.epoch, self.batches_per_epoch, self.world_size, self.micro_batch_size, self.rank)
             self._order_epoch = self.epoch
         return self._order
 
@@ -187,13 +205,7 @@ class DistributedBatchLoader:
         }
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        current = self.state_dict()
-        for key in ("seed", "world_size", "micro_batch_size", "num_blocks"):
-            if state[key] != current[key]:
-                raise UserError(
-                    f"Cannot resume the data loader: the checkpoint has {key}={state[key]} and this run {current[key]}; "
-                    "resume with the same data and batch settings."
-                )
+        check_same_data(state, self.state_dict())
         self.epoch, self.batch_index = state["epoch"], state["batch_index"]
 
 
