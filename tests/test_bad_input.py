@@ -111,6 +111,11 @@ CASES = {
     "data file is not text": (garbage_data_file, "corpus.txt: 'utf-8' codec can't decode", True),
     "resume a directory that is not a checkpoint": (resume_from("not a checkpoint"), "is not a complete checkpoint (no COMPLETE marker)", False),
     "resume a missing directory": (resume_from("missing"), "no such checkpoint directory", False),
+    # Unsupported combinations (issue 12, item 8): there is no key for splitting the model; asking for it names the reason.
+    "ZeRO stage": (recipe_with("train.zero_stage=2"), "unknown key train.zero_stage; zoa-train is data-parallel only", False),
+    "FSDP": (recipe_with("train.fsdp=true"), "unknown key train.fsdp; zoa-train is data-parallel only", False),
+    "tensor parallelism": (recipe_with("train.tensor_parallel=2"), "ZeRO, FSDP, tensor and pipeline parallelism are not supported", False),
+    "pipeline parallelism": (recipe_file("model: {kind: gpt2}\ntrain: {pipeline_parallel_size: 4}\n"), "unknown key train.pipeline_parallel_size; zoa-train is data-parallel only", False),
 }
 
 
@@ -147,3 +152,76 @@ def test_a_checkpoint_of_another_model_is_refused_and_the_run_is_left_alone(fini
     check_one_sentence(done, "holds another model")
     after = contents(finished_run)
     assert after == before
+
+
+# ---- unsupported combinations with the 1-bit optimizers (issue 12, item 8) ----------------------
+# No recipe makes sparse gradients or freezes parameters, so these go through the library interface
+# the trainer uses (build_optimizer), on one process; inside a run the UserError is exit 2 like any other.
+
+
+def small_model(sparse: bool = False):
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"embed": torch.nn.Embedding(10, 4, sparse=sparse), "head": torch.nn.Linear(4, 3)})
+
+
+def train_step(model, opt) -> None:
+    import torch
+
+    tokens = torch.tensor([1, 2, 3, 4])
+    model["head"](model["embed"](tokens)).square().mean().backward()
+    opt.step()
+    opt.optimizer.zero_grad(set_to_none=True)
+
+
+def build(model, name: str):
+    import torch
+
+    from zoa_train.config import recipe_from_dict
+    from zoa_train.train.optimizers import build_optimizer
+
+    return build_optimizer(recipe_from_dict({"optimizer": {"name": name}}), model, torch.device("cpu"), 1)
+
+
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])
+def test_one_bit_optimizers_refuse_sparse_gradients_up_front(name):
+    from zoa_train.errors import UserError
+
+    with pytest.raises(UserError, match=r"cannot train embed: it makes sparse gradients \(sparse=True\)"):
+        build(small_model(sparse=True), name)
+    # A sparse gradient from anywhere else is refused at the step that meets it.
+    model = small_model()
+    opt = build(model, name)
+    model["head"].weight.grad = model["head"].weight.detach().clone().to_sparse()
+    with pytest.raises(UserError, match="parameter head.weight has a sparse gradient"):
+        opt.step()
+
+
+@pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])
+def test_one_bit_optimizers_refuse_a_trainable_set_changed_after_the_build(name):
+    import torch
+
+    from zoa_train.errors import UserError
+
+    # Frozen before the build: left out of the optimizer, trained around, never changed.
+    model = small_model()
+    model["embed"].weight.requires_grad_(False)
+    frozen = model["embed"].weight.detach().clone()
+    opt = build(model, name)
+    for _ in range(3):
+        train_step(model, opt)
+    assert torch.equal(model["embed"].weight, frozen)
+    # Unfrozen later: refused at the next step, before anything moves.
+    model["embed"].weight.requires_grad_(True)
+    head = model["head"].weight.detach().clone()
+    with pytest.raises(UserError, match=r"parameter embed.weight was unfrozen \(requires_grad set to True\) after " + name):
+        train_step(model, opt)
+    assert torch.equal(model["head"].weight, head)
+    # Frozen later: refused too (its momentum would keep moving it).
+    model = small_model()
+    opt = build(model, name)
+    train_step(model, opt)
+    model["head"].bias.requires_grad_(False)
+    with pytest.raises(UserError, match="parameter head.bias was frozen"):
+        train_step(model, opt)

@@ -53,7 +53,7 @@ def rank_pids(launcher: int) -> list[int]:
     return sorted(int(p) for p in found)
 
 
-def test_a_termination_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_path, cache_dir):
+def test_a_stop_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_path, cache_dir):
     import os
     import signal
     import time
@@ -74,7 +74,10 @@ def test_a_termination_signal_checkpoints_every_rank_and_resume_continues_exactl
         time.sleep(0.2)
     ranks = rank_pids(run.pid)
     assert len(ranks) == 2
-    os.kill(ranks[1], signal.SIGTERM)  # one rank only: the store tells the other
+    os.kill(ranks[1], signal.SIGUSR2)  # one rank only: the store tells the other
+    time.sleep(0.05)
+    for pid, again in ((ranks[1], signal.SIGTERM), (ranks[0], signal.SIGUSR2)):  # delivered twice (batch shell and launcher): harmless
+        os.kill(pid, again)
     _, stderr = run.communicate(timeout=300)
     assert run.returncode == 75, stderr[-3000:]
     assert "on a termination signal" in stderr and "--resume auto" in stderr and "Traceback" not in stderr

@@ -9,6 +9,7 @@ refused rather than training every default. The resolved recipe is what the trai
 import dataclasses
 import difflib
 import inspect
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -197,6 +198,12 @@ def _apply_override(data: dict, override: str, path: Path) -> None:
     node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
 
 
+# Keys other trainers use to shard or split the model (DeepSpeed's zero_optimization, FSDP, Megatron's
+# tensor/pipeline sizes). The 1-bit optimizers need every rank to hold the whole model and optimizer
+# state, so there is no such key here; an unknown one of these is refused with that reason.
+_MODEL_SPLITTING = re.compile(r"^zero$|zero_?(stage|optimi[sz]ation|\d)|fsdp|shard|tensor_?(model_?)?parallel|pipeline|model_?parallel|^[tp]p(_size|_degree)?$|deepspeed|megatron")
+
+
 def _build(cls, data, origin: str, prefix: str):
     if not isinstance(data, dict):
         raise UserError(f"{origin}: {prefix.rstrip('.') or 'the recipe'} must be a mapping, not {type(data).__name__}.")
@@ -204,6 +211,11 @@ def _build(cls, data, origin: str, prefix: str):
     names = [f.name for f in dataclasses.fields(cls)]
     values = {}
     for key, value in data.items():
+        if key not in names and _MODEL_SPLITTING.search(str(key).lower()):
+            raise UserError(
+                f"{origin}: unknown key {prefix}{key}; zoa-train is data-parallel only (every rank holds the whole model and "
+                "optimizer state, which 1-bit and 0/1 Adam need), so ZeRO, FSDP, tensor and pipeline parallelism are not supported."
+            )
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys are {', '.join(names)}."

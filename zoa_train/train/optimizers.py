@@ -12,6 +12,15 @@ pass runs), `optimizer` (for the lr scheduler), `ledger`, `no_sync()`, `step() -
 local steps), `average_statistics()` (statistics only: never changes training), and state dicts split into what is the
 same on every rank (saved once) and what is each rank's own.
 
+Unsupported with the 1-bit optimizers, refused by SelfSyncing in one sentence (a UserError) rather
+than silently mis-trained: a module that makes sparse gradients (nn.Embedding/EmbeddingBag with
+sparse=True: refused when the optimizer is built; a sparse gradient met at a step: refused then), and
+a change of the trainable set after the optimizer is built (a parameter frozen or unfrozen through
+requires_grad: checked at every step). Their flat state and 1-bit error buffers are laid out once, at
+construction, over the parameters that required gradients then; a parameter unfrozen later would
+never be updated, one frozen later would keep moving with its momentum. Parameters frozen before
+the build are fine: they are left out of the optimizer and never communicated.
+
 BatchNorm: without DDP each rank's running statistics follow its own batches, so SelfSyncing has
 the optimizer average them at every sync and in `average_statistics()` (before validation and
 checkpoints). Under DDP they keep DDP's behaviour (rank 0's buffers broadcast at each forward).
@@ -23,6 +32,7 @@ import torch
 
 from zoa_train.comm import CommLedger, ring_allreduce_bytes
 from zoa_train.config import Recipe
+from zoa_train.errors import UserError
 from zoa_train.optim import DataParallelAdam, DataParallelOptimizer, OneBitAdam, ZeroOneAdam
 from zoa_train.runs import FULL
 from zoa_train.train.precision import DTYPES
@@ -120,16 +130,40 @@ class DDPAdam:
 
 
 class SelfSyncing:
-    def __init__(self, model: torch.nn.Module, optimizer: DataParallelOptimizer):
+    def __init__(self, model: torch.nn.Module, optimizer: DataParallelOptimizer, name: str = "this optimizer"):
         self.module = model
         self.optimizer = optimizer
         self.ledger = optimizer.ledger
+        self.name = name
+        sparse = [n for n, m in model.named_modules() if getattr(m, "sparse", False) is True]
+        if sparse:
+            raise UserError(
+                f"{name} cannot train {sparse[0]}: it makes sparse gradients (sparse=True), which the 1-bit optimizers do not "
+                "support (their state and error buffers are dense); build it with sparse=False or use optimizer.name adam."
+            )
+        self._named = list(model.named_parameters())
+        self._trainable = [p.requires_grad for _, p in self._named]  # the set the optimizer's state was laid out for
         optimizer.average_at_sync(batchnorm_statistics(model))
 
     def no_sync(self):
         return contextlib.nullcontext()
 
+    def _check_parameters(self) -> None:
+        """Refuse a trainable set that changed since the build, or a sparse gradient (a loop over the
+        parameter list: negligible next to a step)."""
+        for (n, p), trainable in zip(self._named, self._trainable):
+            if p.requires_grad != trainable:
+                now = "unfrozen" if p.requires_grad else "frozen"
+                raise UserError(
+                    f"parameter {n} was {now} (requires_grad set to {p.requires_grad}) after {self.name} was built; its state "
+                    "and 1-bit error buffers are laid out once over the parameters trainable then, so freeze or unfreeze "
+                    "before building the optimizer (for a new phase, start a run from this one's model)."
+                )
+            if p.grad is not None and p.grad.is_sparse:
+                raise UserError(f"parameter {n} has a sparse gradient, which {self.name} does not support; make it dense or use optimizer.name adam.")
+
     def step(self) -> str:
+        self._check_parameters()
         self.optimizer.step()
         return self.optimizer.last_step.kind
 
@@ -171,4 +205,4 @@ def build_optimizer(recipe: Recipe, model: torch.nn.Module, device: torch.device
         optimizer = OneBitAdam(groups, freeze_step=o.freeze_step, **common)
     else:
         optimizer = ZeroOneAdam(groups, **o.schedule_knobs(), update_clip=o.update_clip, **common)
-    return SelfSyncing(model, optimizer)
+    return SelfSyncing(model, optimizer, o.name)

@@ -43,7 +43,11 @@ class CollectiveTimeout(RuntimeError):
     """A collective waited longer than train.timeout_s: a peer stopped answering. One sentence."""
 
 _STOP_KEY, _STOP_COUNT = "zoa_train/stop_at", "zoa_train/stop_requests"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)  # what schedulers send before they kill (Slurm: --signal=USR1@120)
+# What schedulers send before they kill (Slurm: --signal=USR1@120; zoa-train's Slurm scripts use USR2).
+# A second one (the batch shell and torchrun may both forward it) only sets the same flag again; once
+# one has arrived they stay ignored until the process exits, so a late one cannot kill a rank that
+# has checkpointed and is on its way out with EXIT_PREEMPTED.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a complete checkpoint; `--resume auto` continues exactly
 
 
@@ -131,6 +135,7 @@ class Trainer:
         self.run_dir = RunDirectory(run_dir)
         checkpoint = self.run_dir.prepare(resume, overwrite, self.world, self.rank)
         self._previous_handlers = {}
+        self.stop_requested = False
         try:
             self._build(recipe, resume, checkpoint)
         except BaseException:
@@ -397,6 +402,6 @@ class Trainer:
             if hasattr(self, "task"):
                 self.task.close()
             for sig, handler in self._previous_handlers.items():
-                signal.signal(sig, handler)
+                signal.signal(sig, signal.SIG_IGN if self.stop_requested else handler)
         finally:
             self.run_dir.close()  # the run directory's lock
