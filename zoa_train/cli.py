@@ -114,6 +114,71 @@ def check_local_gpus(backend: str, world: int) -> None:
             fail(f"{world} ranks need {world} GPUs and this machine has {visible}; {remedy}.")
 
 
+@app.command("slurm")
+def slurm_command(
+    recipe: Annotated[Path, typer.Argument(help="A YAML recipe, e.g. recipes/bert_large.yaml.")],
+    nodes: Annotated[int, typer.Option(help="Nodes to allocate.")] = 1,
+    gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node, one rank each (NCCL); 0 with --nproc-per-node: a CPU job (Gloo).")] = None,
+    nproc_per_node: Annotated[int | None, typer.Option(help="Ranks per node. [default: --gpus-per-node]")] = None,
+    cpus_per_task: Annotated[int | None, typer.Option(help="CPUs per Slurm task (torchrun: per node; srun: per rank). [default: torchrun: one per rank]")] = None,
+    partition: Annotated[str, typer.Option(help="Slurm partition.")] = "",
+    account: Annotated[str, typer.Option(help="Slurm account.")] = "",
+    qos: Annotated[str, typer.Option(help="Slurm QOS.")] = "",
+    time_limit: Annotated[str, typer.Option("--time", help="Time limit, HH:MM:SS or D-HH:MM:SS.")] = "",
+    constraint: Annotated[str, typer.Option(help="Slurm node features, e.g. a100.")] = "",
+    job_name: Annotated[str, typer.Option(help="Job name. [default: zoa-<run directory name>]")] = "",
+    out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]")] = None,
+    env: Annotated[list[str], typer.Option("--env", help="KEY=VALUE exported in the job, e.g. NCCL_SOCKET_IFNAME=eth0 (repeatable).")] = [],
+    launcher: Annotated[str, typer.Option(help="torchrun (one task per node) or srun (one task per rank).")] = "torchrun",
+    signal_spec: Annotated[str, typer.Option("--signal", help="Warning signal and its lead time before the time limit.")] = "USR2@120",
+    max_requeues: Annotated[int, typer.Option(help="Times the job requeues itself after a warning signal.")] = 3,
+    master_port: Annotated[int, typer.Option(help="Rendezvous port. [default: 20000 + job id % 20000]")] = 0,
+    sbatch_option: Annotated[list[str], typer.Option("--sbatch-option", help="Any other sbatch option, e.g. --mem=200G (repeatable).")] = [],
+    resume: Annotated[str, typer.Option(help="auto: continue the run directory's latest checkpoint.")] = "",
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Empty a non-empty run directory first.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the script; write and submit nothing.")] = False,
+    set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
+) -> None:
+    """Write an sbatch script for a recipe into the run directory and submit it (requeues itself on a time-limit warning)."""
+    from zoa_train.config import check_batch_layout, load_recipe
+    from zoa_train.slurm import SlurmJob, parse_env, queued_jobs, record_submission, render_script, submit, write_job
+    from zoa_train.train.rundir import RunDirectory
+
+    job = SlurmJob(
+        nodes=nodes, gpus_per_node=gpus_per_node, nproc_per_node=nproc_per_node, cpus_per_task=cpus_per_task,
+        partition=partition, account=account, qos=qos, time=time_limit, constraint=constraint, job_name=job_name,
+        env=parse_env(env), launcher=launcher, signal=signal_spec, max_requeues=max_requeues, master_port=master_port,
+        sbatch_options=sbatch_option,
+    )
+    config = load_recipe(recipe, set_)
+    if not job.gpus:
+        if config.train.backend == "nccl":
+            fail(f"{recipe} sets train.backend nccl and this is a CPU job; give it GPUs with --gpus-per-node or set train.backend=gloo.")
+        config.train.backend = "gloo"
+    check_batch_layout(config, job.world_size, str(recipe))
+    run_dir = out or Path("runs") / recipe.stem
+    if dry_run:
+        console.print(render_script(job, run_dir, Path.cwd()), highlight=False, markup=False, soft_wrap=True)
+        return
+    if resume not in ("", "auto"):
+        fail(f"--resume {resume}: a Slurm job continues its run directory's latest checkpoint; pass --resume auto.")
+    queued = queued_jobs(run_dir)
+    if queued:
+        fail(f"job {queued[0][0]} ({queued[0][1].lower()}) already uses run directory {run_dir}; wait for it or scancel it first.")
+    rundir = RunDirectory(run_dir)
+    rundir.check(resume or None, overwrite, job.world_size)
+    if overwrite:  # empty it now, under its lock: the job itself always starts with --resume auto
+        rundir.prepare(None, True, job.world_size, 0)
+        rundir.close()
+    script = write_job(job, config.to_dict(), run_dir, Path.cwd())
+    job_id = submit(script)
+    record_submission(run_dir, job_id, script, job)
+    log = script.parent / f"job-{job_id}.out"
+    console.print(f"submitted job {job_id}: {job.world_size} ranks on {job.nodes} node(s), launcher {job.launcher}", highlight=False)
+    console.print(f"  script   {script}\n  log      {log}\n  history  {script.parent / 'jobs.jsonl'}", highlight=False)
+    console.print(f"  follow   squeue -j {job_id}; sacct -j {job_id} --format=JobID,State,Elapsed,ExitCode; tail -f {log}", highlight=False, soft_wrap=True)
+
+
 @app.command("plan")
 def plan_command(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe: its optimizer knobs, lr schedule, steps and model size are read.")],

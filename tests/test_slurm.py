@@ -1,0 +1,197 @@
+"""`zoa-train slurm`: the sbatch script for each launcher, bad input, and jobs on a real one-node Slurm
+cluster (tests/slurm_cluster.py): a job completes with each launcher, and a job warned before its time
+limit checkpoints, requeues itself and finishes with the parameters of an uninterrupted run."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from slurm_cluster import SlurmCluster, unavailable
+from test_bad_input import zoa_here
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "gpt2_tiny.yaml")
+
+
+def short(steps: int, cache_dir: Path, checkpoint_every: int) -> list[str]:
+    sets = [f"train.steps={steps}", "train.log_every=10", "train.val_every=0", f"train.checkpoint_every={checkpoint_every}",
+            "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={cache_dir}"]
+    return [a for s in sets for a in ("--set", s)]
+
+
+def zoa(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zoa_train.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_script_for_the_torchrun_launcher(tmp_path):
+    done = zoa("slurm", RECIPE, "--nodes", "2", "--gpus-per-node", "4", "--set", "train.micro_batch_size=4", "--time", "12:00:00",
+               "--partition", "gpu", "--env", "NCCL_SOCKET_IFNAME=eth0", "--out", str(tmp_path / "run"), "--dry-run")
+    assert done.returncode == 0, done.stderr
+    script = done.stdout
+    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4", "#SBATCH --time=12:00:00",
+                 "#SBATCH --partition=gpu", "#SBATCH --signal=B:USR2@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
+                 "export NCCL_SOCKET_IFNAME=eth0", "trap on_warning USR2", 'scontrol requeue "$SLURM_JOB_ID"', "MAX_REQUEUES=3"):
+        assert line in script.splitlines() or line in script, line
+    assert '--nnodes="$SLURM_NNODES" --nproc-per-node=4' in script
+    assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"' in script
+    assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=120" in script
+    assert f"run {tmp_path / 'run' / 'slurm' / 'recipe.yaml'} --out {tmp_path / 'run'} --resume auto" in script
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+    syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+
+
+def test_script_for_the_srun_launcher_on_cpus(tmp_path):
+    done = zoa("slurm", RECIPE, "--nproc-per-node", "2", "--launcher", "srun", "--signal", "USR1@300", "--max-requeues", "5",
+               "--master-port", "29555", "--sbatch-option", "--mem=8G", "--out", str(tmp_path / "run"), "--dry-run")
+    assert done.returncode == 0, done.stderr
+    script = done.stdout
+    for line in ("#SBATCH --ntasks-per-node=2", "#SBATCH --signal=B:USR1@300", "#SBATCH --mem=8G", "export MASTER_PORT=29555",
+                 "MAX_REQUEUES=5", "trap on_warning USR1"):
+        assert line in script.splitlines(), line
+    assert "gpus-per-node" not in script and "torch.distributed.run" not in script
+    assert f"srun --ntasks-per-node=2 --kill-on-bad-exit=1 \\\n    {sys.executable} -m zoa_train.cli run" in script
+    assert subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True).returncode == 0
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--nodes", "1"], "--gpus-per-node G for a GPU job, or --nproc-per-node K"),
+        (["--nodes", "0", "--gpus-per-node", "8"], "--nodes must be at least 1"),
+        (["--gpus-per-node", "4", "--nproc-per-node", "8"], "more ranks than the 4 GPUs per node"),
+        (["--nproc-per-node", "2", "--launcher", "mpirun"], "--launcher must be torchrun or srun"),
+        (["--nproc-per-node", "2", "--time", "ten hours"], "is not a Slurm time limit"),
+        (["--nproc-per-node", "2", "--signal", "USR2"], "is not SIGNAL@SECONDS"),
+        (["--nproc-per-node", "2", "--env", "NCCL_SOCKET_IFNAME"], "is not KEY=VALUE"),
+        (["--nproc-per-node", "3"], "not divisible by micro_batch_size x world size = 16 x 3"),
+        (["--nproc-per-node", "2", "--set", "train.backend=nccl"], "this is a CPU job"),
+        (["--nproc-per-node", "2", "--resume", "runs/x/checkpoints/step_00000010"], "pass --resume auto"),
+    ],
+)
+def test_bad_input_is_one_sentence(capsys, tmp_path, args, expected):
+    done = zoa_here(capsys, "slurm", RECIPE, "--out", str(tmp_path / "run"), *args)
+    assert done.returncode == 2, done.stderr
+    assert expected in " ".join(done.stderr.split()) and "Traceback" not in done.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_without_sbatch_the_submission_fails_with_one_sentence(tmp_path):
+    env = {**os.environ, "PATH": str(Path(sys.executable).parent)}  # python, but no Slurm commands
+    done = zoa("slurm", RECIPE, "--nproc-per-node", "2", "--out", str(tmp_path / "run"), env=env)
+    assert done.returncode == 2 and "sbatch is not on PATH" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_non_empty_run_directory_is_refused_before_submitting(capsys, tmp_path):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    done = zoa_here(capsys, "slurm", RECIPE, "--nproc-per-node", "2", "--out", str(tmp_path / "run"))
+    assert done.returncode == 2 and "is not empty" in done.stderr
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["notes.txt"]
+
+
+# ---- a real Slurm -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    c = SlurmCluster()
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("zoa-cache")
+
+
+def submit(cluster: SlurmCluster, run_dir: Path, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "zoa_train.cli", "slurm", RECIPE, "--out", str(run_dir), *args],
+                          cwd=ROOT, capture_output=True, text=True, env=cluster.env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "submitted job" in done.stdout and "tail -f" in done.stdout
+    return json.loads((run_dir / "slurm" / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
+
+
+def final_model(run_dir: Path, steps: int) -> dict:
+    return torch.load(run_dir / "checkpoints" / f"step_{steps:08d}" / "model.pt")
+
+
+STEPS = 120
+
+
+@pytest.fixture(scope="module")
+def reference_run(cluster, cache_dir, tmp_path_factory) -> Path:
+    """An uninterrupted job (torchrun launcher, 2 CPU ranks): completes, and is the reference of the preemption test."""
+    run_dir = tmp_path_factory.mktemp("slurm") / "reference"
+    submitted = time.monotonic()
+    job_id = submit(cluster, run_dir, "--nproc-per-node", "2", *short(STEPS, cache_dir, 60))
+    info = cluster.wait(job_id, timeout=300)
+    print(f"torchrun job: COMPLETED {time.monotonic() - submitted:.1f} s after zoa-train slurm")
+    log = (run_dir / "slurm" / f"job-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    return run_dir
+
+
+def test_a_torchrun_job_completes(reference_run):
+    log = next((reference_run / "slurm").glob("job-*.out")).read_text()
+    assert "zoa-train: job" in log and f"'step': {STEPS}" in log
+    assert len((reference_run / "metrics.jsonl").read_text().splitlines()) == STEPS // 10
+    assert (reference_run / "checkpoints" / f"step_{STEPS:08d}" / "COMPLETE").is_file()
+    events = [json.loads(line)["event"] for line in (reference_run / "slurm" / "jobs.jsonl").read_text().splitlines()]
+    assert events == ["submitted", "start", "end"]
+
+
+def test_an_srun_job_completes(cluster, cache_dir, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = submit(cluster, run_dir, "--nproc-per-node", "2", "--launcher", "srun", *short(20, cache_dir, 0))
+    info = cluster.wait(job_id, timeout=300)
+    log = (run_dir / "slurm" / f"job-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:]
+    assert "'step': 20" in log and (run_dir / "checkpoints" / "step_00000020" / "COMPLETE").is_file()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_a_warned_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_one(cluster, cache_dir, reference_run, tmp_path):
+    run_dir = tmp_path / "run"
+    job_id = submit(cluster, run_dir, "--nproc-per-node", "2", "--max-requeues", "1", "--set", "train.keep_checkpoints=3",
+                    *short(STEPS, cache_dir, 60))
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 180
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    # What Slurm does before the time limit with --signal=B:USR2@120: the signal to the batch shell only.
+    cluster.run("scancel", "--signal=USR2", "--batch", job_id)
+    history = run_dir / "slurm" / "jobs.jsonl"
+    while '"requeue"' not in history.read_text() or cluster.job(job_id)["JobState"] != "PENDING":
+        assert time.monotonic() < deadline + 120, cluster.job(job_id)
+        time.sleep(0.2)
+    before_requeue = metrics.read_text().splitlines()  # Slurm holds a requeued job back: nothing runs now
+    info = cluster.wait(job_id, timeout=300, release_requeued=True)
+    log = (run_dir / "slurm" / f"job-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED" and info["Restarts"] == "1", log[-3000:]
+    history = [json.loads(line) for line in (run_dir / "slurm" / "jobs.jsonl").read_text().splitlines()]
+    assert [h["event"] for h in history] == ["submitted", "start", "requeue", "start", "end"]
+    stopped = int(log.split("stopped at step ")[1].split()[0])
+    assert 20 <= stopped < STEPS and "requeueing job" in log
+    assert (run_dir / "checkpoints" / f"step_{stopped:08d}" / "COMPLETE").is_file()
+    # The requeued job continued from that checkpoint: the rows logged before it are kept as they were
+    # (a run from step 0 would rewrite them with other wall times), none is duplicated.
+    rows = metrics.read_text().splitlines()
+    assert rows[: stopped // 10] == before_requeue[: stopped // 10] and len(rows) == STEPS // 10
+    print(f"warned at step >= 20: stopped at step {stopped} after a checkpoint at step {stopped} (0 steps lost)")
+    # The stop checkpoint was the latest when the requeued job resumed from it; the final parameters match.
+    reference, resumed = final_model(reference_run, STEPS), final_model(run_dir, STEPS)
+    assert all(torch.equal(reference[k], resumed[k]) for k in reference)
