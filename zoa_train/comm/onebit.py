@@ -17,12 +17,18 @@ gpt2_tiny, rows cut across tensors trained 0/1 Adam worse: docs/results.md, abla
 padding after each tensor run and at the end carries no value: it is excluded from the scales,
 its error stays zero, and it is zero in the output, so optimizers keep their state in this layout.
 
-Speed: a row's scale needs only that row, so the whole worker (and server) step -- add the input,
-scale, residual, pack -- is one pass over memory, block by block while each block is in cache,
-and the error buffers always hold the errors themselves. The server adds each rank's term as
-flags times a per-row coefficient (sign = 2*flag - 1), cheaper than a table lookup; the output is
-a table lookup with the row's scale folded into the table, this rank's own chunk unpacked while
-the all-gather runs.
+Speed: a row's scale needs only that row, so each pass works on whole rows at once: the buffer
+is viewed as (n chunks, rows, row), and a block of a pass is the same rows of all n chunks, so a
+pass is a fixed handful of tensor ops per block (one strided copy puts a block's signs into all n
+wire segments; one table lookup unpacks all n servers' rows) whatever the number of rows (scale
+segments) and of ranks; the server adds the n ranks' terms one op per rank, in order. On CPU
+blocks stay in cache (512K elements); on accelerators one block holds up to 128M elements, so a
+call on most models is a few dozen kernels plus one per rank. The error buffers always hold the
+errors themselves. The server adds each rank's term as flags times a per-row coefficient
+(sign = 2*flag - 1), cheaper than a table lookup; the output is a table lookup with the row's
+scale folded into the table.
+Several buffers (an optimizer's parameter groups, each in its own layout) share one call: each
+wire segment holds every buffer's part for that rank, so all groups cost two collectives.
 """
 
 from itertools import accumulate
@@ -40,7 +46,9 @@ SCALE_ROW = 1 << 12  # most elements sharing one scale: a power of two, so most 
 # and the scales behind them can be viewed as fp32 in place.
 _ROW_ALIGN = 32
 _SCALE_BYTES = 4
-_DEVICE_BLOCK = 1 << 22  # elements per block on accelerators: few, large kernels
+# Elements per block on accelerators: the whole buffer of most models (few, large kernels), while
+# the scratch (about 8.5 bytes per element of a block) stays near 1 GiB.
+_DEVICE_BLOCK = 1 << 27
 # torch 2.14 documents all_gather_single and deprecates all_gather_into_tensor (a FutureWarning on
 # every call); older releases have only the latter.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -113,25 +121,47 @@ def _layout_with_rows(sizes: tuple[int, ...], world_size: int, row: int) -> OneB
     return OneBitLayout(sizes, tuple(offsets), world_size * chunk, chunk, rows, row, chunk // 8 + _SCALE_BYTES * rows)
 
 
+def _buffer_sizes(sizes) -> list:
+    """`sizes` as a list of buffers' tensor sizes: an int or a list of ints is one buffer, a list of
+    lists is several."""
+    if isinstance(sizes, int) or not sizes or isinstance(sizes[0], int):
+        return [sizes]
+    return list(sizes)
+
+
+def _block_rows(layout: OneBitLayout, device: torch.device, block_size: int | None) -> int:
+    """Rows of each chunk that one block of a pass holds: a block is those rows of all n chunks.
+
+    Default on CPU: at most BLOCK elements (in cache) and at most one chunk's worth; on accelerators
+    up to _DEVICE_BLOCK elements, i.e. the whole buffer of most models: a pass is then a few
+    kernels whatever the number of rows or ranks."""
+    if block_size is None:
+        block_size = min(BLOCK, layout.chunk) if device.type == "cpu" else _DEVICE_BLOCK
+    n = layout.padded // layout.chunk
+    return min(layout.rows, max(1, block_size // (n * layout.row)))
+
+
 def onebit_buffers(
-    sizes: int | Sequence[int],
+    sizes,
     world_size: int,
     device: torch.device | str = "cpu",
     block_size: int | None = None,
     scale_row: int = SCALE_ROW,
 ) -> dict[str, tuple[int, torch.dtype]]:
-    """(elements, dtype) of each buffer a OneBitAllReduce allocates: the error buffers `_worker`
-    (e_w, also the accumulator) and `_server` (e_s of this rank's chunk), the wire buffers `_send`,
-    `_recv`, `_gathered` (n segments each) and `_mine` (one), the per-block scratch `_flags`,
-    `_flag_bytes`, `_words`, `_index` and `_tables`, and the per-row `_server_coef`. Inactive
-    (one rank or no elements): a worker buffer of numel and all others empty."""
-    layout = onebit_layout(sizes, world_size, scale_row)
-    active = layout.active
-    block = layout.row * _rows_per_block(layout, torch.device(device), block_size) if active else 0
-    n, segment = world_size, layout.segment
+    """(elements, dtype) of each buffer a OneBitAllReduce of `sizes` (see OneBitAllReduce)
+    allocates: the error buffers `_worker` (e_w, also the accumulator) and `_server` (e_s of this
+    rank's chunks), the wire buffers `_send`, `_recv`, `_gathered` (n segments each) and `_mine`
+    (one), the per-block scratch `_flags`, `_flag_bytes`, `_words`, `_index` and `_tables`, and the
+    per-row `_server_coef`. Inactive (one rank or no elements): worker buffers of numel and all
+    others empty."""
+    layouts = [onebit_layout(s, world_size, scale_row) for s in _buffer_sizes(sizes)]
+    active = [l for l in layouts if l.active]
+    n, device = world_size, torch.device(device)
+    block = max((world_size * l.row * _block_rows(l, device, block_size) for l in active), default=0)
+    segment = sum(l.segment for l in active)
     return {
-        "_worker": (layout.padded, torch.float32),
-        "_server": (layout.chunk, torch.float32),
+        "_worker": (sum(l.padded for l in layouts), torch.float32),
+        "_server": (sum(l.chunk for l in active), torch.float32),
         "_send": (n * segment, torch.uint8),
         "_recv": (n * segment, torch.uint8),
         "_gathered": (n * segment, torch.uint8),
@@ -140,52 +170,87 @@ def onebit_buffers(
         "_flag_bytes": (block, torch.int8),
         "_words": (block // 8, torch.int64),
         "_index": (block // 8, torch.int32),
-        "_tables": (block // layout.row * 256 * 8 if active else 0, torch.float32),
-        "_server_coef": ((n + 1) * layout.rows, torch.float32),
+        "_tables": (max((block // l.row * 256 * 8 for l in active), default=0), torch.float32),
+        "_server_coef": ((n + 1) * sum(l.rows for l in active), torch.float32),
     }
 
 
 class _Block(NamedTuple):
-    """Views of one block of whole rows of a chunk (the same rows in every chunk of a layout)."""
+    """Views of rows first..last of every chunk of one buffer, in every pass: (n, r, row) values,
+    (n, r) scales and norms, (n, r*row/8) packed signs; the server's have one chunk (1, ...)."""
 
-    offset: int  # first element within the chunk
-    values: torch.Tensor  # y (worker) or c (server), 1-D
-    rows: torch.Tensor  # the same, (rows, row)
-    scales: torch.Tensor  # the row scales' place in the wire segment, (rows,)
-    column: torch.Tensor  # the same, (rows, 1)
+    first: int
+    last: int
+    worker: torch.Tensor  # y, in the worker buffer
+    worker_padding: torch.Tensor | None  # positions of its padding in _worker
     norm: torch.Tensor  # sqrt of the number of real elements of each row
-    signs: torch.Tensor  # the packed signs' place in the wire segment
-    flags: torch.Tensor  # scratch: 1.0 where y >= 0
-    flag_bytes: torch.Tensor  # scratch for packing
-    padding: torch.Tensor | None  # indices of the padding within `values`, if any
+    send_signs: torch.Tensor
+    send_scales: torch.Tensor
+    recv_signs: torch.Tensor  # every rank's signs of these rows of this rank's chunk
+    coef: torch.Tensor  # (n + 1, r, 1): 2*s_i/n of each source i, then sum_i s_i/n
+    server: torch.Tensor  # c, in the server buffer
+    server_padding: torch.Tensor | None  # positions of its padding in _server
+    server_norm: torch.Tensor
+    mine_signs: torch.Tensor
+    mine_scales: torch.Tensor
+    gathered_signs: torch.Tensor  # every server's signs and scales of these rows
+    gathered_scales: torch.Tensor
 
 
-def _padding_index(valid: torch.Tensor, row: int) -> torch.Tensor:
-    """Positions of the padding in consecutive rows of `row` elements whose first `valid[r]` are real."""
-    return (torch.arange(row).expand(valid.numel(), row) >= valid.view(-1, 1)).view(-1).nonzero().view(-1)
+class _Part(NamedTuple):
+    """One buffer of the call (one optimizer parameter group) with its own layout."""
+
+    layout: OneBitLayout
+    worker: torch.Tensor  # its part of _worker (padded elements), its accumulator
+    server: torch.Tensor  # its part of _server (one chunk)
+    recv_scales: torch.Tensor  # (n, rows): every rank's scales of this rank's chunk
+    coef: torch.Tensor  # (n + 1, rows)
+    padding: torch.Tensor  # positions of all its padding, to zero the output's
+    blocks: list[_Block]
 
 
-def _rows_per_block(layout: OneBitLayout, device: torch.device, block_size: int | None) -> int:
-    if block_size is None:
-        block_size = BLOCK if device.type == "cpu" else _DEVICE_BLOCK
-    return min(layout.rows, max(1, block_size // layout.row))
+def _padding_positions(valid: torch.Tensor, row: int, first: int, last: int, stride: int) -> torch.Tensor:
+    """Flat positions of the padding in rows first..last of each chunk (a row of `valid`, the real
+    elements at the start of each row), chunks `stride` elements apart."""
+    padding = torch.arange(row) >= valid[:, first:last, None]
+    chunk, rows, column = padding.nonzero(as_tuple=True)
+    return chunk * stride + (first + rows) * row + column
+
+
+def _wire_views(wire: torch.Tensor, column: int, layout: OneBitLayout) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed signs (k, chunk/8), fp32 row scales (k, rows)) of one buffer in each of a wire
+    buffer's k segments, where that buffer's part starts at byte `column` of a segment."""
+    packed = layout.chunk // 8
+    part = wire[:, column : column + layout.segment]
+    return part[:, :packed], part[:, packed:].view(torch.float32)
+
+
+def _group_device(group) -> torch.device:
+    """Where a process group's collectives want their tensors: the current CUDA device for NCCL."""
+    if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class OneBitAllReduce:
-    """Averages a flat buffer in its layout over a process group with 1-bit error-compensated compression.
+    """Averages flat buffers in their layouts over a process group with 1-bit error-compensated compression.
 
-    `sizes`: the sizes of the tensors the buffer holds (or one size); `layout` says where each
-    lies in the buffer, which has `layout.padded` elements. Owns the worker error (fp32, in the
-    layout) and the server error (this rank's chunk, fp32) and all communication buffers, allocated
-    once. Math is fp32 whatever the input dtype. With a world size of 1, `op` returns its input
+    `sizes`: the sizes of the tensors one buffer holds (or one size), or a list of such lists for
+    several buffers (the parameter groups of an optimizer), each with its own layout
+    (`layouts[i]`, `layout` when there is one) and all averaged by one call: one all_to_all and
+    one all_gather whose segments hold every buffer's part. Owns the worker error (fp32, in the
+    layouts, back to back) and the server error (this rank's chunks, fp32) and all communication
+    buffers, allocated once on `device` (default: the process group's device, CUDA for NCCL).
+    Math is fp32 whatever the input dtype. With a world size of 1, `op` returns its input
     unchanged and sends nothing, and `exchange` returns the accumulator exactly. `block_size`
-    (elements processed per step of a pass; default 512K on CPU, 4M elsewhere) changes speed,
-    never results; `scale_row` is part of the wire format and must be the same on every rank.
+    (elements per step of a pass; default 512K on CPU, the whole buffer up to 128M elsewhere)
+    changes speed and scratch memory, never results; `scale_row` is part of the wire format and
+    must be the same on every rank.
     """
 
     def __init__(
         self,
-        sizes: int | Sequence[int],
+        sizes,
         group=None,
         device: torch.device | str | None = None,
         ledger: CommLedger | None = None,
@@ -194,200 +259,244 @@ class OneBitAllReduce:
     ):
         self.group = group
         self.world_size, self.rank = group_size_rank(group)
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = torch.device(device) if device is not None else _group_device(group)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.ledger = ledger if ledger is not None else default_ledger()
-        self.layout = onebit_layout(sizes, self.world_size, scale_row)
-        self.numel = self.layout.numel
-        for name, (size, dtype) in onebit_buffers(sizes, self.world_size, self.device, block_size, scale_row).items():
+        buffers = _buffer_sizes(sizes)
+        self.layouts = [onebit_layout(s, self.world_size, scale_row) for s in buffers]
+        self.numel = sum(l.numel for l in self.layouts)
+        for name, (size, dtype) in onebit_buffers(buffers, self.world_size, self.device, block_size, scale_row).items():
             setattr(self, name, torch.zeros(size, dtype=dtype, device=self.device))
-        if not self.layout.active:
-            return
+        self._accumulators = list(self._worker.split([l.padded for l in self.layouts]))
+        self._segment = sum(l.segment for l in self.layouts if l.active)
+        self._parts: list[_Part | None] = []
+        worker = server = column = coef = 0
+        for layout in self.layouts:
+            self._parts.append(self._part(layout, worker, server, column, coef, block_size) if layout.active else None)
+            worker += layout.padded
+            if layout.active:
+                server, column, coef = server + layout.chunk, column + layout.segment, coef + (self.world_size + 1) * layout.rows
 
-        n, chunk, rows, row = self.world_size, self.layout.chunk, self.layout.rows, self.layout.row
-        self._block_rows = _rows_per_block(self.layout, self.device, block_size)
-        valid = self.layout.row_lengths().view(n, rows)
+    def _part(self, layout: OneBitLayout, worker: int, server: int, column: int, coef: int, block_size: int | None) -> _Part:
+        """The views of one buffer that starts at these offsets of _worker, _server, a wire segment
+        and _server_coef. Made once: slicing in every call would cost as much as the ops on CPU."""
+        n, rows, row, rank = self.world_size, layout.rows, layout.row, self.rank
+        wires = [w.view(-1, self._segment) for w in (self._send, self._recv, self._gathered, self._mine)]
+        (send_signs, send_scales), (recv_signs, recv_scales), (gathered_signs, gathered_scales), (mine_signs, mine_scales) = (
+            _wire_views(w, column, layout) for w in wires
+        )
+        values = self._worker[worker : worker + layout.padded]
+        chunk = self._server[server : server + layout.chunk]
+        coefs = self._server_coef[coef : coef + (n + 1) * rows].view(n + 1, rows)
+        valid = layout.row_lengths().view(n, rows)
         # sqrt of the number of real elements in each row, for the RMS; >= 1.
-        row_norm = valid.clamp(min=1).to(torch.float32).sqrt().to(self.device)
-        # Every padding position of the buffer, to zero the output's padding after a call.
-        self._padding = _padding_index(valid.view(-1), row).to(self.device)
-        send = self._segments(self._send)
-        recv = self._segments(self._recv)
-        gathered = self._segments(self._gathered)
-        (mine,) = self._segments(self._mine)
-        self._recv_scales = [scales for _, scales in recv]
-        # Server coefficients per row: 2*s_i/n for each rank i, then sum_i s_i/n.
-        self._coef = self._server_coef.view(n + 1, rows)
-        # Every view a pass touches, made once: a pass is a few hundred blocks of ~10 ops each,
-        # and slicing inside the loop would cost about as much as the ops.
-        self._worker_blocks = [self._blocks(self._worker[j * chunk : (j + 1) * chunk], *send[j], row_norm[j], valid[j]) for j in range(n)]
-        self._server_blocks = self._blocks(self._server, *mine, row_norm[self.rank], valid[self.rank])
-        self._server_terms = [
-            ([(signs[b.offset // 8 : (b.offset + b.values.numel()) // 8], self._coef_rows(b, i)) for i, (signs, _) in enumerate(recv)], self._coef_rows(b, n))
-            for b in self._server_blocks
-        ]
-        # This rank's own chunk is unpacked from its own segment, while the all-gather runs.
-        self._gathered_blocks = [[self._packed_rows(b, *(mine if j == self.rank else gathered[j])) for b in self._server_blocks] for j in range(n)]
-
-    def _segments(self, wire: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(packed signs, fp32 row scales) views of each segment of a wire buffer."""
-        packed = self.layout.chunk // 8
-        return [(s[:packed], s[packed:].view(torch.float32)) for s in wire.view(-1, self.layout.segment)]
-
-    def _blocks(self, values: torch.Tensor, signs: torch.Tensor, scales: torch.Tensor, norm: torch.Tensor, valid: torch.Tensor) -> list[_Block]:
-        row, blocks = self.layout.row, []
-        for first in range(0, self.layout.rows, self._block_rows):
-            last = min(first + self._block_rows, self.layout.rows)
-            offset, length = first * row, (last - first) * row
-            block_scales = scales[first:last]
-            padding = _padding_index(valid[first:last], row)
+        norm = valid.clamp(min=1).to(torch.float32).sqrt().to(self.device)
+        device_or_none = lambda index: index.to(self.device) if index.numel() else None  # noqa: E731
+        blocks = []
+        step = _block_rows(layout, self.device, block_size)
+        for first in range(0, rows, step):
+            last = min(first + step, rows)
+            signs = slice(first * row // 8, last * row // 8)
             blocks.append(
                 _Block(
-                    offset=offset,
-                    values=values[offset : offset + length],
-                    rows=values[offset : offset + length].view(-1, row),
-                    scales=block_scales,
-                    column=block_scales.unsqueeze(1),
-                    norm=norm[first:last],
-                    signs=signs[offset // 8 : (offset + length) // 8],
-                    flags=self._flags[:length],
-                    flag_bytes=self._flag_bytes[:length],
-                    padding=padding.to(self.device) if padding.numel() else None,
+                    first=first,
+                    last=last,
+                    worker=values.view(n, rows, row)[:, first:last],
+                    worker_padding=device_or_none(worker + _padding_positions(valid, row, first, last, layout.chunk)),
+                    norm=norm[:, first:last],
+                    send_signs=send_signs[:, signs],
+                    send_scales=send_scales[:, first:last],
+                    recv_signs=recv_signs[:, signs],
+                    coef=coefs[:, first:last].unsqueeze(2),
+                    server=chunk.view(1, rows, row)[:, first:last],
+                    server_padding=device_or_none(server + _padding_positions(valid[rank : rank + 1], row, first, last, 0)),
+                    server_norm=norm[rank : rank + 1, first:last],
+                    mine_signs=mine_signs[:, signs],
+                    mine_scales=mine_scales[:, first:last],
+                    gathered_signs=gathered_signs[:, signs],
+                    gathered_scales=gathered_scales[:, first:last],
                 )
             )
-        return blocks
+        padding = _padding_positions(valid, row, 0, rows, layout.chunk).to(self.device)
+        return _Part(layout, values, chunk, recv_scales, coefs, padding, blocks)
 
-    def _packed_rows(self, block: _Block, signs: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of `block` in another segment: packed signs (rows, row/8) and scales."""
-        first, length = block.offset // self.layout.row, block.values.numel()
-        return signs[block.offset // 8 : (block.offset + length) // 8].view(-1, self.layout.row // 8), scales[first : first + block.rows.shape[0]]
+    def _only(self) -> int:
+        """0, the index of the only buffer (for the one-buffer interface)."""
+        if len(self.layouts) != 1:
+            raise ValueError(f"this OneBitAllReduce has {len(self.layouts)} buffers: use the per-buffer interface")
+        return 0
 
-    def _coef_rows(self, block: _Block, i: int) -> torch.Tensor:
-        first = block.offset // self.layout.row
-        return self._coef[i, first : first + block.rows.shape[0]].unsqueeze(1)
+    @property
+    def layout(self) -> OneBitLayout:
+        """The layout of the only buffer."""
+        return self.layouts[self._only()]
 
     @property
     def bytes_per_call(self) -> int:
         """Bytes this rank sends in one call: (n-1) segments in each pass."""
-        return 2 * (self.world_size - 1) * self.layout.segment
+        return 2 * (self.world_size - 1) * self._segment
 
     @property
-    def accumulator(self) -> torch.Tensor:
-        """The buffer (in the layout) that the next `exchange()` compresses, the carried error included.
+    def accumulators(self) -> list[torch.Tensor]:
+        """Each buffer's part of the worker buffer (in its layout) that the next `exchange()`
+        compresses, the carried error included.
 
         Adding into it between calls is the same as passing the sum to `op`; optimizers use it to
         accumulate their update without a buffer of their own. Its padding must stay zero.
         """
-        return self._worker
+        return self._accumulators
+
+    @property
+    def accumulator(self) -> torch.Tensor:
+        """The accumulator of the only buffer (see `accumulators`)."""
+        return self._accumulators[self._only()]
 
     @property
     def worker_error(self) -> torch.Tensor:
-        """The worker error e_w (padded length), as a new tensor."""
+        """The worker error e_w (all buffers, padded, back to back), as a new tensor."""
         return self._worker.clone()
 
     @property
     def server_error(self) -> torch.Tensor:
-        """The server error e_s of this rank's chunk, as a new tensor."""
+        """The server error e_s of this rank's chunks, as a new tensor."""
         return self._server.clone()
 
-    def op(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Average `tensor` (a buffer in the layout) in place over the group, error-compensated,
-        and return it."""
-        if tensor.numel() != self.layout.padded:
-            raise ValueError(f"OneBitAllReduce's layout has {self.layout.padded} elements, got a tensor of {tensor.numel()}")
-        if not self.layout.active:
+    def op(self, tensor: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+        """Average `tensor` (a buffer in the layout; a list of them, one per buffer) in place over
+        the group, error-compensated, and return it."""
+        tensors = self._per_buffer(tensor)
+        for t, layout in zip(tensors, self.layouts):
+            if t.numel() != layout.padded:
+                raise ValueError(f"OneBitAllReduce's layout has {layout.padded} elements, got a tensor of {t.numel()}")
+            if layout.active and not t.is_contiguous():
+                raise ValueError("OneBitAllReduce.op needs a contiguous tensor")
+        if self.world_size < 2:
             return tensor
-        if not tensor.is_contiguous():
-            raise ValueError("OneBitAllReduce.op needs a contiguous tensor")
-        flat = tensor.view(-1)
+        flat = [t.view(-1) for t in tensors]
         self.exchange(out=flat, addend=flat)
         return tensor
 
-    def exchange(self, out: torch.Tensor, addend: torch.Tensor | None = None) -> torch.Tensor:
+    def _per_buffer(self, tensors) -> list[torch.Tensor]:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if len(tensors) != len(self.layouts):
+            raise ValueError(f"this OneBitAllReduce has {len(self.layouts)} buffers, got {len(tensors)} tensors")
+        for t in tensors:
+            if t.device != self.device:
+                raise ValueError(f"OneBitAllReduce's buffers are on {self.device}, got a tensor on {t.device}")
+        return tensors
+
+    def exchange(self, out, addend=None):
         """Compress accumulator + error (+ addend), run both passes, write the average to `out`
-        (all three in the layout; the padding of `out` is zero afterwards)."""
-        if not self.layout.active:  # one rank: the average is the input itself
-            torch.add(self._worker, addend, out=out) if addend is not None else out.copy_(self._worker)
+        (each a buffer in the layout, or a list of them, one per buffer; the padding of `out` is
+        zero afterwards), and return `out`."""
+        outs = self._per_buffer(out)
+        addends = self._per_buffer(addend) if addend is not None else [None] * len(outs)
+        if self.world_size < 2:  # one rank: the average is the input itself
+            for acc, o, a in zip(self._accumulators, outs, addends):
+                torch.add(acc, a, out=o) if a is not None else o.copy_(acc)
             self._worker.zero_()
             return out
-        n, chunk = self.world_size, self.layout.chunk
+        active = [(part, o, a) for part, o, a in zip(self._parts, outs, addends) if part is not None]
+        if not active:
+            return out
+        n = self.world_size
 
-        # Worker: y = e_w + addend, compressed chunk by chunk into the send segments.
-        for j, blocks in enumerate(self._worker_blocks):
-            for block in blocks:
-                if addend is not None:
-                    start = j * chunk + block.offset
-                    block.values.add_(addend[start : start + block.values.numel()])
-                self._compress(block)
+        # Worker: y = e_w + addend, compressed block by block into the send segments.
+        for part, _, a in active:
+            for b in part.blocks:
+                if a is not None:
+                    b.worker.add_(self._rows(a, part.layout, b))
+                self._compress(b.worker, self._worker, b.worker_padding, b.norm, b.send_signs, b.send_scales)
 
         # Pass 1: rank j receives chunk j of everyone.
         dist.all_to_all_single(self._recv, self._send, group=self.group)
 
         # Server: c = e_s + mean_i(s_i*sign_i) over this rank's chunk, as
-        # c = e_s + sum_i (2*s_i/n)*flag_i - sum_i s_i/n (sign = 2*flag - 1).
-        for i, scales in enumerate(self._recv_scales):
-            torch.mul(scales, 2.0 / n, out=self._coef[i])
-        torch.sum(self._coef[:n], dim=0, out=self._coef[n]).mul_(0.5)
-        for block, (terms, mean) in zip(self._server_blocks, self._server_terms):
-            flags = block.flags.view_as(block.rows)
-            for signs, coef in terms:
-                unpack_flags(signs, self._words[: signs.numel()], block.flags)
-                block.rows.addcmul_(flags, coef)
-            block.rows.sub_(mean)
-            self._compress(block)
+        # c = e_s + sum_i (2*s_i/n)*flag_i - sum_i s_i/n (sign = 2*flag - 1), summed over i in
+        # order (one op per rank: a sum in one op would round differently).
+        for part, _, _ in active:
+            torch.mul(part.recv_scales, 2.0 / n, out=part.coef[:n])
+            torch.sum(part.coef[:n], dim=0, out=part.coef[n]).mul_(0.5)
+            for b in part.blocks:
+                flags = self._flags[: b.recv_signs.numel() * 8].view(n, *b.worker.shape[1:])
+                unpack_flags(b.recv_signs, self._words[: b.recv_signs.numel()].view(n, -1), flags)
+                c = b.server[0]
+                for i in range(n):
+                    c.addcmul_(flags[i], b.coef[i])
+                c.sub_(b.coef[n])
+                self._compress(b.server, self._server, b.server_padding, b.server_norm, b.mine_signs, b.mine_scales)
 
         # Pass 2: everyone gathers every server chunk and unpacks the same average.
-        gather = _all_gather(self._gathered, self._mine, group=self.group, async_op=True)
-        self._unpack_chunk(self.rank, out)  # from its own segment, while the all-gather runs
-        gather.wait()
-        for j in range(n):
-            if j != self.rank:
-                self._unpack_chunk(j, out)
-        out.index_fill_(0, self._padding, 0)
+        _all_gather(self._gathered, self._mine, group=self.group)
+        for part, o, _ in active:
+            for b in part.blocks:
+                rows = b.gathered_scales.numel()
+                unpack_rows(b.gathered_signs, b.gathered_scales, self._rows(o, part.layout, b), self._index[: b.gathered_signs.numel()], self._tables[: rows * 256 * 8], self._flags)
+            o.index_fill_(0, part.padding, 0)
 
         self.ledger.record("onebit_allreduce", payload_bits=1, elements=self.numel, bytes_sent=self.bytes_per_call, calls=2)
         return out
 
-    def _compress(self, block: _Block) -> None:
-        """Compress one block of y in place while it is in cache: per row s = RMS into the
-        segment's scales, the signs packed into the segment, and y <- y - s*sign(y). Padding
-        counts as zero and its error stays zero."""
-        if block.padding is not None:
-            block.values.index_fill_(0, block.padding, 0)
-        torch.linalg.vector_norm(block.rows, dim=1, out=block.scales).div_(block.norm)
-        torch.ge(block.values, 0, out=block.flags)
-        # y - s*sign(y) with sign = 2*flag - 1: y + s - 2*s*flag
-        block.rows.add_(block.column).addcmul_(block.flags.view_as(block.rows), block.column, value=-2)
-        pack_flags(block.flags, block.flag_bytes, block.signs)
-        if block.padding is not None:
-            block.values.index_fill_(0, block.padding, 0)  # the residual left -s there
+    @staticmethod
+    def _rows(flat: torch.Tensor, layout: OneBitLayout, block: _Block) -> torch.Tensor:
+        """Rows first..last of every chunk of a buffer in `layout`, (n, r, row)."""
+        rows = flat.view(-1, layout.rows, layout.row)
+        return rows if block.last - block.first == layout.rows else rows[:, block.first : block.last]
 
-    def _unpack_chunk(self, j: int, out: torch.Tensor) -> None:
-        """Write server chunk j's average (padding included) into its part of `out`."""
-        for block, (signs, scales) in zip(self._server_blocks, self._gathered_blocks[j]):
-            start = j * self.layout.chunk + block.offset
-            rows = scales.numel()
-            unpack_rows(signs, scales, out[start : start + block.values.numel()], self._index[: signs.numel()], self._tables[: rows * 256 * 8])
+    def _compress(self, values, base, padding, norm, signs, scales) -> None:
+        """Compress a block of y, (k, r, row), in place: per row s = RMS into the wire's `scales`,
+        the signs packed into the wire's `signs`, and y <- y - s*sign(y). Padding (positions in
+        `base`, the buffer `values` views) counts as zero and its error stays zero."""
+        if padding is not None:
+            base.index_fill_(0, padding, 0)
+        torch.linalg.vector_norm(values, dim=2, out=scales).div_(norm)
+        flags = self._flags[: values.numel()].view(values.shape)
+        torch.ge(values, 0, out=flags)
+        # y - s*sign(y) with sign = 2*flag - 1: y + s - 2*s*flag
+        column = scales.unsqueeze(2)
+        values.add_(column).addcmul_(flags, column, value=-2)
+        pack_flags(flags.view(-1), self._flag_bytes[: values.numel()], signs)
+        if padding is not None:
+            base.index_fill_(0, padding, 0)  # the residual left -s there
+
+    def state_dicts(self) -> list[dict]:
+        """One state per buffer, each as a OneBitAllReduce of that buffer alone saves it."""
+        states, server = [], 0
+        for layout, accumulator in zip(self.layouts, self._accumulators):
+            chunk = layout.chunk if layout.active else 0
+            states.append(
+                {
+                    "numel": layout.numel,
+                    "world_size": self.world_size,
+                    "layout": (layout.offsets, layout.padded, layout.row),
+                    "worker_error": accumulator.clone(),
+                    "server_error": self._server[server : server + chunk].clone(),
+                }
+            )
+            server += chunk
+        return states
+
+    def load_state_dicts(self, states: list[dict]) -> None:
+        if len(states) != len(self.layouts):
+            raise ValueError(f"1-bit allreduce state is for {len(states)} buffers, this one has {len(self.layouts)}")
+        server = 0
+        for layout, accumulator, state in zip(self.layouts, self._accumulators, states):
+            if state["world_size"] != self.world_size or state["numel"] != layout.numel:
+                raise ValueError(
+                    f"1-bit allreduce state is for {state['numel']} elements on {state['world_size']} ranks, "
+                    f"this one is for {layout.numel} on {self.world_size}"
+                )
+            if state.get("layout") != (layout.offsets, layout.padded, layout.row):
+                raise ValueError("1-bit allreduce state was saved with another layout (an older zoa-train?); it cannot be resumed here")
+            chunk = layout.chunk if layout.active else 0
+            accumulator.copy_(state["worker_error"])
+            self._server[server : server + chunk].copy_(state["server_error"])
+            server += chunk
 
     def state_dict(self) -> dict:
-        return {
-            "numel": self.numel,
-            "world_size": self.world_size,
-            "layout": self._wire_shape(),
-            "worker_error": self.worker_error,
-            "server_error": self.server_error,
-        }
-
-    def _wire_shape(self) -> tuple:
-        """What a saved state must match besides numel and world size: where tensors and rows lie."""
-        return self.layout.offsets, self.layout.padded, self.layout.row
+        """The state of the only buffer (see `state_dicts`)."""
+        return self.state_dicts()[self._only()]
 
     def load_state_dict(self, state: dict) -> None:
-        if state["world_size"] != self.world_size or state["numel"] != self.numel:
-            raise ValueError(
-                f"1-bit allreduce state is for {state['numel']} elements on {state['world_size']} ranks, "
-                f"this one is for {self.numel} on {self.world_size}"
-            )
-        if state.get("layout") != self._wire_shape():
-            raise ValueError("1-bit allreduce state was saved with another layout (an older zoa-train?); it cannot be resumed here")
-        self._worker.copy_(state["worker_error"])
-        self._server.copy_(state["server_error"])
+        self.load_state_dicts([state])

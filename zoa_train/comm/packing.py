@@ -27,7 +27,8 @@ def sign_table(device: torch.device | str = "cpu", dtype: torch.dtype = torch.fl
 
 
 def pack_flags(flags: torch.Tensor, flag_bytes: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """Pack float flags (1.0 = sign +1, 0.0 = sign -1; length a multiple of 8) into `out`.
+    """Pack float flags (1.0 = sign +1, 0.0 = sign -1; 1-D, length a multiple of 8) into `out`
+    (len/8 bytes in any shape, e.g. a strided view of several wire segments).
 
     `flag_bytes` is int8 scratch of the same length. A float compare writing 1.0/0.0 and a
     float -> int8 conversion are vectorised kernels (a bool or uint8 output is not: 5-10x slower).
@@ -35,16 +36,17 @@ def pack_flags(flags: torch.Tensor, flag_bytes: torch.Tensor, out: torch.Tensor)
     flag_bytes.copy_(flags)
     words = flag_bytes.view(torch.int64)
     words.mul_(_GATHER_BITS).bitwise_right_shift_(56)
-    return out.copy_(words)
+    return out.copy_(words.view(out.shape))  # `out` may be a strided view: one copy into the wire
 
 
 def unpack_flags(packed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """The bits of `packed` as float 1.0 (sign +1) / 0.0 (sign -1) into `out`, 8 per byte, the
     inverse of pack_flags. `words` is int64 scratch of packed.numel(). Cheaper than a table
-    lookup where the caller combines the flags with its own scales anyway."""
+    lookup where the caller combines the flags with its own scales anyway. `words` has the shape
+    of `packed` (which may be strided); `out` any shape of 8 times as many elements."""
     words.copy_(packed)
     words.mul_(_SPREAD).bitwise_and_(_BIT_K_OF_BYTE_K)
-    return torch.ne(words.view(torch.uint8), 0, out=out)
+    return torch.ne(words.view(torch.uint8).view(out.shape), 0, out=out)
 
 
 def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,26 +73,36 @@ def unpack_rows(
     out: torch.Tensor,
     index: torch.Tensor | None = None,
     tables: torch.Tensor | None = None,
+    staging: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Unpack R rows of signs, each times its own scale, into `out` (R*row elements, row % 8 == 0).
 
-    `packed` holds R*row/8 bytes, `scales` R values. Each row indexes its own scaled copy of the
-    table, so the scale costs a 256x8 multiply per row, not a pass over `out`. `index` (int32,
-    R*row/8) and `tables` (fp32, R*256*8) are optional scratch, for hot loops that should not
-    allocate.
+    `scales` holds the R scales in any shape, e.g. (n, r) for r rows of each of n segments;
+    `packed` the rows' R*row/8 bytes, shaped (n, r*row/8) then; `out` the rows, e.g. (n, r, row).
+    Any of them may be a strided view. Each row indexes its own scaled copy of the table, so the
+    scale costs a 256x8 multiply per row, not a pass over `out`. `index` (int32, R*row/8),
+    `tables` (fp32, R*256*8) and `staging` (fp32, R*row, used when `out` is not contiguous) are
+    optional scratch, for hot loops that should not allocate.
     """
     rows = scales.numel()
     if tables is None:
         tables = torch.empty(rows * 256 * 8, dtype=torch.float32, device=packed.device)
     if index is None:
         index = torch.empty(packed.numel(), dtype=torch.int32, device=packed.device)
-    tables = torch.mul(scales.reshape(rows, 1, 1), sign_table(packed.device), out=tables.view(rows, 256, 8))
-    tables = tables.view(rows * 256, 8).to(out.dtype)
-    index = index.view(rows, -1)
-    index.copy_(packed.view(rows, -1))
+    tables = torch.mul(scales[..., None, None], sign_table(packed.device), out=tables.view(*scales.shape, 256, 8))
+    tables = tables.view(rows * 256, 8)
+    index = index.view(packed.shape)
+    index.copy_(packed)
     if rows > 1:
-        index += _row_offsets(rows, packed.device)
-    return torch.index_select(tables, 0, index.view(-1), out=out.view(-1, 8)).view(-1)
+        index.view(rows, -1).add_(_row_offsets(rows, packed.device))
+    if out.is_contiguous():
+        torch.index_select(tables.to(out.dtype), 0, index.view(-1), out=out.view(-1, 8))
+        return out
+    # A strided `out` (rows of several chunks): unpack to contiguous scratch, then one copy (which
+    # casts the exact +-scale to out's dtype, as a table in that dtype would).
+    staged = staging[: out.numel()] if staging is not None else torch.empty(out.numel(), dtype=torch.float32, device=out.device)
+    torch.index_select(tables, 0, index.view(-1), out=staged.view(-1, 8))
+    return out.copy_(staged.view(out.shape))
 
 
 def _row_offsets(rows: int, device: torch.device) -> torch.Tensor:

@@ -80,8 +80,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     Subclasses fill `self._buffers[i]` (name -> flat fp32 tensor of group i), `self._scalars[i]`
     (name -> float) and `self.schedule` (an object with state_dict/load_state_dict, or None), and
-    implement `_step() -> StepRecord fields`. With a `scale_row`, each group gets a
-    OneBitAllReduce in `self._comms[i]` and its flat buffers take that allreduce's layout.
+    implement `_step() -> StepRecord fields`. With a `scale_row`, `self._comms[0]` is one
+    OneBitAllReduce for all groups (one call per step whatever the number of groups; each group
+    in its own layout, which its flat buffers take) and `self._comms` is `[None]` without.
     """
 
     def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None, scale_row: int | None = None):
@@ -102,11 +103,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             group["params"] = unique
         sizes = [[p.numel() for p in group["params"]] for group in self.param_groups]
         self.ledger = CommLedger(num_params=sum(map(sum, sizes)))
-        self._comms: list[OneBitAllReduce | None] = [None] * len(sizes)
+        self._comms: list[OneBitAllReduce | None] = [None]
         if scale_row is not None:
-            device = [group["params"][0].device if group["params"] else None for group in self.param_groups]
-            self._comms = [OneBitAllReduce(s, group=process_group, device=d, ledger=self.ledger, scale_row=scale_row) for s, d in zip(sizes, device)]
-        layouts = [comm.layout if comm is not None else onebit_layout(s, 1) for comm, s in zip(self._comms, sizes)]
+            device = next((p.device for group in self.param_groups for p in group["params"]), None)
+            self._comms = [OneBitAllReduce(sizes, group=process_group, device=device, ledger=self.ledger, scale_row=scale_row)]
+        layouts = self._comms[0].layouts if self._comms[0] is not None else [onebit_layout(s, 1) for s in sizes]
         self._flat = [FlatGroup(group["params"], layout) for group, layout in zip(self.param_groups, layouts)]
         self.last_step: StepRecord | None = None
         self.step_count = 0
@@ -168,6 +169,20 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                     buffer = flat.flatten(flat.params)
                     dist.broadcast(buffer, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0, group=self.process_group)
                     torch._foreach_copy_(flat.params, flat.views(buffer))
+
+    def _accumulator(self, index: int) -> torch.Tensor:
+        """Group `index`'s accumulator in the 1-bit allreduce of all groups."""
+        comm = self._comms[0]
+        # One group: the one-buffer interface, which tests' exact stand-in for the allreduce also has.
+        return comm.accumulator if len(self._flat) == 1 else comm.accumulators[index]
+
+    def _exchange(self, outs: list[torch.Tensor]) -> None:
+        """One 1-bit allreduce call for all groups: outs[i] <- the average of group i's accumulator."""
+        self._comms[0].exchange(out=outs[0] if len(outs) == 1 else outs)
+
+    def _onebit_op(self, tensors: list[torch.Tensor]) -> None:
+        """One 1-bit allreduce call for all groups: average tensors[i] (group i's layout) in place."""
+        self._comms[0].op(tensors[0] if len(tensors) == 1 else tensors)
 
     def _allreduce(self, flat: FlatGroup, tensor: torch.Tensor) -> torch.Tensor:
         """Average a flat buffer of `flat` in full precision (its padding is sent, not counted in bits/param)."""
@@ -250,7 +265,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 "optimizer": type(self).__name__,
                 "rank": self.rank,
                 "world_size": self.world_size,
-                "comms": [c.state_dict() if c is not None else None for c in self._comms],
+                "comms": self._comms[0].state_dicts() if self._comms[0] is not None else [None] * len(self._flat),
                 "buffers": self._buffers if self.parameters_differ else None,
             }
         }
@@ -278,9 +293,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         for current, saved_buffers in zip(self._buffers, buffers):
             for key, tensor in current.items():
                 tensor.copy_(saved_buffers[key])
-        for comm, saved_comm in zip(self._comms, mine["comms"]):
-            if comm is not None:
-                comm.load_state_dict(saved_comm)
+        if self._comms[0] is not None:
+            self._comms[0].load_state_dicts(mine["comms"])
         self._scalars = [dict(s) for s in saved["scalars"]]
         if self.schedule is not None:
             self.schedule.load_state_dict(saved["schedule"])

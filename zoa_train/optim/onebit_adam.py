@@ -46,10 +46,11 @@ class OneBitAdam(DataParallelOptimizer):
     def _step(self) -> tuple[bool, bool, int]:
         t = self.step_count
         warmup = t < self.freeze_step
-        for group, flat, buffers, comm, scalars in zip(self.param_groups, self._flat, self._buffers, self._comms, self._scalars):
+        denominators = {}
+        for index, (group, flat, buffers, scalars) in enumerate(zip(self.param_groups, self._flat, self._buffers, self._scalars)):
             if not flat.numel:
                 continue
-            (beta1, beta2), lr, eps = group["betas"], group["lr"], group["eps"]
+            (beta1, beta2), eps = group["betas"], group["eps"]
             corrected = group["bias_correction"]
             m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
             if warmup:
@@ -57,20 +58,23 @@ class OneBitAdam(DataParallelOptimizer):
                 m.lerp_(grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 scalars["variance_updates"] += 1
-                denom = self._denominator(v, eps, 1 - beta2 ** scalars["variance_updates"] if corrected else 1.0)
+                denominators[index] = self._denominator(v, eps, 1 - beta2 ** scalars["variance_updates"] if corrected else 1.0)
             else:
                 if not scalars["frozen"]:
                     v.copy_(self._denominator(v, eps, 1 - beta2 ** scalars["variance_updates"] if corrected else 1.0))
                     scalars["frozen"] = 1
-                denom = v
-                m_views = flat.views(m)
-                grads, with_grad, without = flat.split_by_grad(m_views)
+                denominators[index] = v
+                grads, with_grad, without = flat.split_by_grad(flat.views(m))
                 torch._foreach_lerp_(with_grad, grads, 1 - beta1)
                 if without:
                     torch._foreach_mul_(without, beta1)
-                comm.op(m)
-            step_size = lr / (1 - beta1 ** (t + 1)) if corrected else lr
+        if not warmup:  # one 1-bit call averages every group's momentum
+            self._onebit_op([buffers["exp_avg"] for buffers in self._buffers])
+        for index, denom in denominators.items():
+            group, flat = self.param_groups[index], self._flat[index]
+            beta1, lr = group["betas"][0], group["lr"]
+            step_size = lr / (1 - beta1 ** (t + 1)) if group["bias_correction"] else lr
             if group["weight_decay"]:
                 torch._foreach_mul_(flat.params, 1 - lr * group["weight_decay"])
-            torch._foreach_addcdiv_(flat.params, flat.views(m), flat.views(denom), value=-step_size)
+            torch._foreach_addcdiv_(flat.params, flat.views(self._buffers[index]["exp_avg"]), flat.views(denom), value=-step_size)
         return True, warmup, 1

@@ -89,8 +89,7 @@ class ZeroOneAdam(DataParallelOptimizer):
         if not self.schedule.steps_since_sync:
             return super().synchronize()
         with torch.no_grad():
-            for index in range(len(self._flat)):
-                self._sync_group(index)
+            self._sync()
         self.schedule.steps_since_sync = 0
         self._average_tensors(in_step=True)
         self.ledger.end_step()
@@ -137,15 +136,15 @@ class ZeroOneAdam(DataParallelOptimizer):
             numerator = m  # this step's displacement is step_size * numerator / denom
             if group["update_clip"] and t < self.schedule.var_freeze_step:
                 numerator = self._clipped(index, flat, m, denom, group["update_clip"])
-            self._comms[index].accumulator.addcdiv_(numerator, denom, value=step_size)
+            self._accumulator(index).addcdiv_(numerator, denom, value=step_size)
             scalars["lr_sum"] += step_size
             scalars["decay"] *= 1 - lr * wd
-            if decision.sync:
-                self._sync_group(index)
-            else:
+            if not decision.sync:
                 if wd:
                     torch._foreach_mul_(params, 1 - lr * wd)
                 torch._foreach_addcdiv_(params, flat.views(numerator), flat.views(denom), value=-step_size)
+        if decision.sync and not decision.variance_update:
+            self._sync()
         return decision.sync, decision.variance_update, decision.interval
 
     def _clipped(self, index: int, flat, m: torch.Tensor, denom: torch.Tensor, limit: float) -> torch.Tensor:
@@ -163,14 +162,18 @@ class ZeroOneAdam(DataParallelOptimizer):
         torch._foreach_mul_(flat.views(clipped), list(rms.div_(limit).clamp_(min=1.0).reciprocal_().unbind()))
         return clipped
 
-    def _sync_group(self, index: int) -> None:
-        """x <- decay*anchor - w_bar and m <- w_bar*denom/lr_sum, from data identical on every rank."""
+    def _sync(self) -> None:
+        """x <- decay*anchor - w_bar and m <- w_bar*denom/lr_sum in every group, from data identical
+        on every rank; one 1-bit call for all groups."""
+        self._exchange([buffers["exp_avg"] for buffers in self._buffers])  # m <- w_bar, the averaged displacement
+        for index, flat in enumerate(self._flat):
+            if flat.numel:
+                self._finish_sync(index)
+
+    def _finish_sync(self, index: int) -> None:
         group, flat, buffers, scalars = self.param_groups[index], self._flat[index], self._buffers[index], self._scalars[index]
-        if not flat.numel:
-            return
         m, anchor = buffers["exp_avg"], buffers["anchor"]
         denom = self._denominator_of(index, group)
-        self._comms[index].exchange(out=m)  # m <- w_bar, the averaged displacement
         inactive = denom == float("inf")  # v == 0: compression noise only
         m.masked_fill_(inactive, 0.0)
         # The new point is computed in the anchor, then copied once into the parameters.
