@@ -157,6 +157,9 @@ def test_a_torchrun_job_completes(reference_run):
 def test_an_srun_job_completes(cluster, cache_dir, tmp_path):
     run_dir = tmp_path / "run"
     job_id = submit(cluster, run_dir, "--nproc-per-node", "2", "--launcher", "srun", *short(20, cache_dir, 0))
+    again = subprocess.run([sys.executable, "-m", "zoa_train.cli", "slurm", RECIPE, "--nproc-per-node", "2", "--resume", "auto",
+                            "--out", str(run_dir)], cwd=ROOT, capture_output=True, text=True, env=cluster.env, timeout=120)
+    assert again.returncode == 2 and f"job {job_id} (" in again.stderr and "already uses run directory" in again.stderr
     info = cluster.wait(job_id, timeout=300)
     log = (run_dir / "slurm" / f"job-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED", log[-3000:]
@@ -195,3 +198,11 @@ def test_a_warned_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_on
     # The stop checkpoint was the latest when the requeued job resumed from it; the final parameters match.
     reference, resumed = final_model(reference_run, STEPS), final_model(run_dir, STEPS)
     assert all(torch.equal(reference[k], resumed[k]) for k in reference)
+
+
+def test_a_job_sbatch_refuses_is_one_sentence_with_its_message(cluster, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "zoa_train.cli", "slurm", RECIPE, "--nproc-per-node", "2", "--partition", "nosuch",
+                           "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, env=cluster.env, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "sbatch refused the job:" in done.stderr and "invalid partition" in done.stderr.lower()
+    assert not (tmp_path / "run").exists()  # no trace: the same command can be run again

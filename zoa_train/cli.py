@@ -12,6 +12,7 @@
 
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -170,8 +171,14 @@ def slurm_command(
     if overwrite:  # empty it now, under its lock: the job itself always starts with --resume auto
         rundir.prepare(None, True, job.world_size, 0)
         rundir.close()
+    fresh = [p for p in (run_dir, run_dir / "slurm") if not p.exists()]
     script = write_job(job, config.to_dict(), run_dir, Path.cwd())
-    job_id = submit(script)
+    try:
+        job_id = submit(script)
+    except UserError:
+        if fresh:  # a refused job leaves no trace, so the same command can be run again
+            shutil.rmtree(fresh[0])
+        raise
     record_submission(run_dir, job_id, script, job)
     log = script.parent / f"job-{job_id}.out"
     console.print(f"submitted job {job_id}: {job.world_size} ranks on {job.nodes} node(s), launcher {job.launcher}", highlight=False)
