@@ -3,6 +3,10 @@
 Each size reports the median time of each collective, their ratio, the relative L2 error of one
 1-bit call and of the running mean of 50 calls against the exact mean, and the memory traffic
 of packing plus unpacking next to a plain torch.add of the same size (the bandwidth limit here).
+
+`python -m zoa_train.bench.comm --profile-ops --nproc 2 [--block-size N] [--per-group]` counts the
+torch ops (each about one kernel launch on an accelerator) and times one 1-bit step of BERT-Large's
+398 tensors in its two parameter groups (docs/results.md, "Ops per 1-bit call").
 """
 
 import statistics
@@ -133,3 +137,101 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None) -> list[dict]
         )
     dist.destroy_process_group()
     return rows if rank == 0 else None
+
+
+# Ops that only make a view or set metadata: no kernel on an accelerator.
+_VIEW_OPS = {
+    "aten::view", "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::reshape",
+    "aten::_reshape_alias", "aten::expand", "aten::split", "aten::alias", "aten::narrow", "aten::detach", "aten::t",
+    "aten::transpose", "aten::permute", "aten::view_as", "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::resize_",
+}  # fmt: skip
+
+
+def bert_large_groups() -> list[list[int]]:
+    """Tensor sizes of BERT-Large pre-training (BertForPreTraining: 336M parameters, 398 tensors)
+    in the two parameter groups of the BERT recipes: weights (decayed), then biases and LayerNorms."""
+    h, ff, vocab = 1024, 4096, 30522
+    weights = [vocab * h, 512 * h, 2 * h]  # word, position and token-type embeddings
+    others = [h, h]  # embedding LayerNorm
+    for _ in range(24):
+        weights += [h * h] * 4 + [h * ff, ff * h]  # query, key, value, attention output; feed-forward
+        others += [h] * 4 + [h, h] + [ff, h] + [h, h]  # their biases, LayerNorm, feed-forward biases, LayerNorm
+    weights += [h * h, h * h, 2 * h]  # pooler, masked-LM transform, next-sentence head (decoder tied)
+    others += [h, h, h, h, vocab, 2]  # their biases, the transform's LayerNorm, decoder and head biases
+    return [weights, others]
+
+
+def count_ops(fn) -> dict[str, int]:
+    """Torch ops that fn() runs directly (not inside other ops), by name, view ops left out: on
+    an accelerator each is about one kernel launch."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with record_function("counted"):
+            fn()
+    (counted,) = [e for e in prof.events() if e.name == "counted"]
+    ops: dict[str, int] = {}
+    for child in counted.cpu_children:
+        if child.name not in _VIEW_OPS:
+            ops[child.name] = ops.get(child.name, 0) + 1
+    return ops
+
+
+def profile_rank(groups: list[list[int]], calls: int, block_size: int | None, per_group: bool, backend: str | None) -> dict | None:
+    """Ops and time per 1-bit step of tensors of `groups` sizes: one call for all groups, or with
+    `per_group` one call per group (as optimizers did before issue 13). Rank 0 returns the figures."""
+    device = init_process_group(backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(threads_per_rank(world))
+    numel = sum(map(sum, groups))
+    if per_group:
+        comms = [OneBitAllReduce(sizes, device=device, block_size=block_size, ledger=CommLedger(num_params=numel)) for sizes in groups]
+        buffers = [torch.randn(comm.layout.padded, device=device) for comm in comms]
+    else:
+        comms = [OneBitAllReduce(groups, device=device, block_size=block_size, ledger=CommLedger(num_params=numel))]
+        buffers = [[torch.randn(layout.padded, device=device) for layout in comms[0].layouts]]
+
+    def step():
+        for comm, buffer in zip(comms, buffers):
+            comm.op(buffer)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    step()  # warm-up
+    seconds = []
+    for _ in range(calls):
+        dist.barrier()
+        seconds.append(_timed(step, device))
+    ops = count_ops(step)
+    dist.destroy_process_group()
+    if rank:
+        return None
+    return {
+        "world_size": world,
+        "elements": numel,
+        "tensors": sum(map(len, groups)),
+        "groups": len(groups),
+        "calls_per_step": len(comms),
+        "block_size": block_size,
+        "ops_per_step": sum(ops.values()),
+        "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
+        "seconds_per_step": statistics.median(seconds),
+    }
+
+
+if __name__ == "__main__":
+    import argparse
+    import json
+
+    from zoa_train.distributed import launch_local
+
+    parser = argparse.ArgumentParser(description="Ops (kernel launches on an accelerator) and CPU time per 1-bit step of BERT-Large's tensors.")
+    parser.add_argument("--profile-ops", action="store_true", required=True, help="what this entry point does")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=5, help="timed steps; the median is reported")
+    parser.add_argument("--block-size", type=int, default=None, help="elements per block of a pass (default: the device's)")
+    parser.add_argument("--per-group", action="store_true", help="one call per parameter group, as before issue 13")
+    parser.add_argument("--scale", type=int, default=1, help="divide every tensor size by this (smaller runs, same tensor count)")
+    args = parser.parse_args()
+    groups = [[max(1, size // args.scale) for size in sizes] for sizes in bert_large_groups()]
+    print(json.dumps(launch_local(profile_rank, args.nproc, groups, args.calls, args.block_size, args.per_group, None)[0]))

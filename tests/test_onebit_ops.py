@@ -1,0 +1,71 @@
+"""Launch efficiency of the 1-bit allreduce (issue 13, item 6): a call is a fixed number of tensor
+ops whatever the number of scale segments, plus one per rank, and an optimizer makes one call per
+step for all its parameter groups, with exactly the results of one call per group."""
+
+import torch
+
+from distributed_harness import run_ranks
+from zoa_train.bench.comm import count_ops
+from zoa_train.comm import CommLedger, OneBitAllReduce
+from zoa_train.optim import OneBitAdam, ZeroOneAdam
+
+WHOLE = 1 << 24  # a block holds the whole buffer, as on an accelerator
+ROW = 1024
+FEW = [48_000 + 7] * 4  # 4 tensors of 47 rows each
+MANY = [3_000 + 7] * 64  # 64 tensors of 3 rows each: 16 times the tensor boundaries, the same total
+
+
+def _ops_per_call(rank, world_size, sizes):
+    comm = OneBitAllReduce(sizes, block_size=WHOLE, scale_row=ROW, ledger=CommLedger(num_params=sum(sizes)))
+    x = torch.randn(comm.layout.padded)
+    comm.op(x)  # warm-up
+    return sum(count_ops(lambda: comm.op(x)).values())
+
+
+def test_ops_per_call_do_not_grow_with_scale_segments_or_ranks():
+    few, many = run_ranks(_ops_per_call, 2, FEW)[0], run_ranks(_ops_per_call, 2, MANY)[0]
+    assert few == many, (few, many)
+    assert few < 50  # a few dozen ops per call, the two collectives included
+    # The server sums the ranks' terms in order, one op per rank; nothing else depends on n.
+    assert run_ranks(_ops_per_call, 3, MANY)[0] == many + 1
+
+
+def _train(rank, world_size, name, per_group):
+    torch.manual_seed(0)
+    emb, lin, norm = torch.nn.Embedding(300, 40), torch.nn.Linear(40, 37), torch.nn.LayerNorm(40)
+    groups = [
+        {"params": [emb.weight, lin.weight], "weight_decay": 0.01},
+        {"params": [lin.bias, norm.weight, norm.bias], "weight_decay": 0.0, "lr": 0.02},
+    ]
+    if name == "zero_one":
+        make = lambda g: ZeroOneAdam(g, lr=0.01, var_freeze_step=10, var_update_scaler=2, local_steps="fixed", local_step_interval=3, scale_row=64)  # noqa: E731
+    else:
+        make = lambda g: OneBitAdam(g, lr=0.01, freeze_step=5, scale_row=64)  # noqa: E731
+    optimizers = [make([group]) for group in groups] if per_group else [make(groups)]
+    calls = []
+    for t in range(20):
+        g = torch.Generator().manual_seed(100 * rank + t)
+        tokens = torch.randint(0, 200, (16,), generator=g)
+        loss = torch.nn.functional.cross_entropy(lin(norm(emb(tokens))), torch.randint(0, 37, (16,), generator=g))
+        for opt in optimizers:
+            opt.zero_grad()
+        loss.backward()
+        before = [opt.ledger.by_kind.get("onebit_allreduce", {}).get("calls", 0) for opt in optimizers]
+        for opt in optimizers:
+            opt.step()
+        after = [opt.ledger.by_kind.get("onebit_allreduce", {}).get("calls", 0) for opt in optimizers]
+        calls.append(sum(after) - sum(before))  # collective calls: two per 1-bit call
+    params = [p.detach().clone() for group in groups for p in group["params"]]
+    momenta = [b["exp_avg"].clone() for opt in optimizers for b in opt._buffers]
+    errors = [s["worker_error"] for opt in optimizers for s in opt.rank_state_dict()["zoa_rank"]["comms"]]
+    return params, momenta, errors, calls
+
+
+def test_one_onebit_call_per_step_for_all_groups_with_the_results_of_one_call_per_group():
+    for name in ("zero_one", "onebit"):
+        joined = run_ranks(_train, 2, name, False)
+        split = run_ranks(_train, 2, name, True)
+        for (params, momenta, errors, calls), (params1, momenta1, errors1, calls1) in zip(joined, split):
+            assert all(torch.equal(a, b) for a, b in zip(params + momenta + errors, params1 + momenta1 + errors1)), name
+            assert sum(calls) > 0 and set(calls) <= {0, 2}, (name, calls)  # one 1-bit call (two passes) or none
+            assert calls1 == [2 * c for c in calls], name  # where one call per group makes two
