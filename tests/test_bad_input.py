@@ -111,6 +111,7 @@ CASES = {
     "data file is not text": (garbage_data_file, "corpus.txt: 'utf-8' codec can't decode", True),
     "resume a directory that is not a checkpoint": (resume_from("not a checkpoint"), "is not a complete checkpoint (no COMPLETE marker)", False),
     "resume a missing directory": (resume_from("missing"), "no such checkpoint directory", False),
+    "negative --max-restarts": (lambda tmp, cache, run: [RECIPE, "--max-restarts", "-1"], "--max-restarts must be 0 or more, not -1", False),
     # Unsupported combinations (issue 12, item 8): there is no key for splitting the model; asking for it names the reason.
     "ZeRO stage": (recipe_with("train.zero_stage=2"), "unknown key train.zero_stage; zoa-train is data-parallel only", False),
     "FSDP": (recipe_with("train.fsdp=true"), "unknown key train.fsdp; zoa-train is data-parallel only", False),

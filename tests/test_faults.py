@@ -1,4 +1,4 @@
-"""Faults met during a run: a NaN/inf loss stops every rank before anything is logged or saved after it."""
+"""Faults met during a run: a NaN/inf loss, a stop signal, a killed rank (--max-restarts), a rank that stops answering."""
 
 import subprocess
 import sys
@@ -53,25 +53,47 @@ def rank_pids(launcher: int) -> list[int]:
     return sorted(int(p) for p in found)
 
 
-def test_a_stop_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_path, cache_dir):
+def thirty_steps(cache_dir: Path, *extra: str) -> list[str]:
+    """0/1 Adam through variance updates, 1-bit steps and local-step periods of 3 steps."""
+    sets = ["train.steps=30", "train.log_every=1", "train.val_every=0", "train.checkpoint_every=0", "train.val_batches=1",
+            "optimizer.var_freeze_step=2", "optimizer.local_steps=fixed", "optimizer.local_step_interval=3",
+            "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={cache_dir}", *extra]
+    return [a for s in sets for a in ("--set", s)]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, cache_dir) -> dict:
+    """The final parameters of thirty_steps run without a fault, on 2 ranks."""
+    whole = tmp_path_factory.mktemp("whole") / "run"
+    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(whole), *thirty_steps(cache_dir))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(whole / "checkpoints" / "step_00000030" / "model.pt")
+
+
+def wait_for_step(run: subprocess.Popen, metrics: Path, step: int) -> int:
+    """Wait until rank 0 has logged `step` (log_every 1); returns the last step logged."""
+    import json
+    import time
+
+    deadline = time.monotonic() + 300
+    while True:
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        if lines and json.loads(lines[-1])["step"] >= step:
+            return json.loads(lines[-1])["step"]
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+def test_a_stop_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_path, cache_dir, uninterrupted):
     import os
     import signal
     import time
 
-    sets = ["train.steps=30", "train.log_every=1", "train.val_every=0", "train.checkpoint_every=0", "train.val_batches=1",
-            "optimizer.var_freeze_step=2", "optimizer.local_steps=fixed", "optimizer.local_step_interval=3",
-            "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={cache_dir}"]
-    args = [a for s in sets for a in ("--set", s)]
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    assert zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(whole), *args).returncode == 0
-
+    args = thirty_steps(cache_dir)
+    stopped = tmp_path / "stopped"
     run = subprocess.Popen([sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), *args],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = stopped / "metrics.jsonl"
-    deadline = time.monotonic() + 300
-    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3):
-        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
-        time.sleep(0.2)
+    wait_for_step(run, stopped / "metrics.jsonl", 3)
     ranks = rank_pids(run.pid)
     assert len(ranks) == 2
     os.kill(ranks[1], signal.SIGUSR2)  # one rank only: the store tells the other
@@ -87,9 +109,38 @@ def test_a_stop_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_p
 
     resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), "--resume", "auto", *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    a = torch.load(whole / "checkpoints" / "step_00000030" / "model.pt")
     b = torch.load(stopped / "checkpoints" / "step_00000030" / "model.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert all(torch.equal(uninterrupted[k], b[k]) for k in uninterrupted)
+
+
+def test_a_killed_rank_restarts_every_rank_from_the_last_checkpoint_and_ends_on_the_same_parameters(tmp_path, cache_dir, uninterrupted):
+    import json
+    import os
+    import re
+    import signal
+
+    # Checkpoints every 4 steps (some inside a local-step period); --overwrite on the first attempt
+    # must not empty the directory on the restart.
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen([sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--overwrite",
+                            "--max-restarts", "1", *thirty_steps(cache_dir, "train.checkpoint_every=4")],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed_at = wait_for_step(run, run_dir / "metrics.jsonl", 10)
+    ranks = rank_pids(run.pid)
+    assert len(ranks) == 2
+    os.kill(ranks[1], signal.SIGKILL)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 0, stderr[-3000:]
+    resumed = re.search(r"restart 1 after a rank failed: every rank resumed from \S+step_(\d+) \(step (\d+)\)", stderr)
+    assert resumed, stderr[-3000:]
+    step = int(resumed.group(2))
+    # The latest complete checkpoint when it died (step 12's may have been in the making when step 12 was logged).
+    assert 4 * ((killed_at - 1) // 4) <= step <= killed_at + 4
+    print(f"killed at step {killed_at} (rank 0's last log), resumed from step {step}: {killed_at - step} steps of work lost")
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 31))  # the restart's rows replace those past the checkpoint
+    final = torch.load(run_dir / "checkpoints" / "step_00000030" / "model.pt")
+    assert all(torch.equal(uninterrupted[k], final[k]) for k in uninterrupted)
 
 
 def test_a_rank_that_stops_answering_is_reported_within_the_timeout(tmp_path, cache_dir):

@@ -60,6 +60,7 @@ def run_command(
     out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]")] = None,
     resume: Annotated[str, typer.Option(help="auto (latest complete checkpoint in the run directory) or a checkpoint directory.")] = "",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Empty a non-empty run directory first.")] = False,
+    max_restarts: Annotated[int, typer.Option(help="When a rank dies, restart every rank from the latest complete checkpoint up to this many times (torch elastic; under torchrun pass torchrun's --max-restarts). [default: 0]")] = 0,
 ) -> None:
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
     from zoa_train.config import check_batch_layout, load_recipe
@@ -69,6 +70,10 @@ def run_command(
 
     config = load_recipe(recipe, set_)
     run_dir = out or Path("runs") / recipe.stem
+    if max_restarts < 0:
+        fail(f"--max-restarts must be 0 or more, not {max_restarts}.")
+    if max_restarts and cluster_environment() is not None:
+        fail("--max-restarts restarts ranks that zoa-train run starts itself; under torchrun pass --max-restarts to torchrun (a restarted rank resumes by itself), under srun let Slurm requeue the job.")
     if cluster_environment() is None:
         world = nproc or config.train.nproc
         if world < 1:
@@ -78,7 +83,7 @@ def run_command(
         RunDirectory(run_dir).check(resume or None, overwrite, world)  # before any rank starts; every rank checks again
     try:
         if cluster_environment() is None:
-            results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite)
+            results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite, max_restarts=max_restarts)
         else:
             results = [run_rank(config.to_dict(), str(run_dir), resume or None, overwrite)]
     except (RankFailed, CollectiveTimeout) as e:  # a fault, not bad input: exit 1, the rank's sentence

@@ -95,15 +95,32 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
+        if restart_count() and not {"init_method", "store"} & kwargs.keys():
+            # torch elastic's c10d rendezvous keeps one TCP store for every attempt, and the group's
+            # keys are the same in each: a restarted rank could read a dead rank's address from the
+            # attempt before and fail to connect. Each attempt gets keys of its own.
+            from torch.distributed.rendezvous import rendezvous
+
+            store, rank, world = next(rendezvous("env://", timeout=kwargs.get("timeout", timedelta(minutes=30))))
+            kwargs.update(store=dist.PrefixStore(f"zoa_train/attempt_{restart_count()}", store), rank=rank, world_size=world)
         dist.init_process_group(backend, **kwargs)
     return device
 
 
-def launch_local(entrypoint, nproc: int, *args):
+def restart_count() -> int:
+    """How many times torch elastic (torchrun --max-restarts, zoa-train run --max-restarts) has
+    restarted this rank's worker group: 0 on the first attempt and outside torch elastic."""
+    count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return int(count) if count.isdigit() else 0
+
+
+def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
     """Run entrypoint(*args) on `nproc` local ranks (elastic launcher, c10d rendezvous on a free port).
 
     Returns the list of the ranks' return values, ordered by rank. The entrypoint must be a
-    module-level function: ranks are started with the spawn method.
+    module-level function: ranks are started with the spawn method. When a rank fails (an exception,
+    a signal such as SIGKILL) torch elastic stops the others (SIGTERM, then SIGKILL after 30 s) and
+    starts all `nproc` again, up to `max_restarts` times; the entrypoint sees restart_count() > 0.
     """
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -114,7 +131,7 @@ def launch_local(entrypoint, nproc: int, *args):
         run_id=f"zoa-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
         rdzv_endpoint="127.0.0.1:0",
-        max_restarts=0,
+        max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
     )

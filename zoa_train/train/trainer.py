@@ -24,14 +24,14 @@ import torch.distributed as dist
 import yaml
 
 from zoa_train.config import Recipe, check_batch_layout, recipe_from_dict
-from zoa_train.distributed import init_process_group, threads_per_rank
+from zoa_train.distributed import init_process_group, restart_count, threads_per_rank
 from zoa_train.errors import UserError
 from zoa_train.optim import LRSchedule
 from zoa_train.tasks import build_task
 from zoa_train.train.metrics import MetricsLogger
 from zoa_train.train.optimizers import build_optimizer
 from zoa_train.train.precision import LossScaler, autocast
-from zoa_train.train.rundir import RunDirectory
+from zoa_train.train.rundir import RunDirectory, complete_checkpoints
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,17 @@ def run_rank(recipe_dict: dict, run_dir: str, resume: str | None, overwrite: boo
 
     A UserError met by one rank alone (a corrupt image in its batch) breaks the others' next
     collective; the failing rank leaves its message in the rendezvous store first, so the others
-    report that sentence ({"user_error": ..., "another_rank": True}) instead of a connection error."""
+    report that sentence ({"user_error": ..., "another_rank": True}) instead of a connection error.
+
+    A rank restarted by torch elastic (a rank of an earlier attempt died: zoa-train run
+    --max-restarts, torchrun --max-restarts) continues the run as `--resume auto` would, whatever
+    the command line said: never --overwrite again, and from the run directory's latest complete
+    checkpoint (an explicit --resume CHECKPOINT holds until this run has written one of its own)."""
+    restart = restart_count()
+    if restart:
+        if resume is None or complete_checkpoints(Path(run_dir) / "checkpoints"):
+            resume = "auto"
+        overwrite = False
     trainer = None
     try:
         trainer = Trainer(recipe_from_dict(recipe_dict), Path(run_dir), resume, overwrite)
@@ -88,7 +98,7 @@ def _store():
     """The rendezvous key-value store: it outlives a broken process group (torchrun's agent holds it)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    return dist.distributed_c10d._get_default_store()
+    return dist.distributed_c10d._get_default_store()  # a restarted attempt's own (distributed.init_process_group)
 
 
 def _store_set(key: str, value: str) -> None:
@@ -164,6 +174,8 @@ class Trainer:
             self._previous_handlers = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
         if checkpoint is not None:
             self._load(checkpoint)
+            if self.is_main and restart_count():
+                log.warning("restart %d after a rank failed: every rank resumed from %s (step %d)", restart_count(), checkpoint, self.step)
         elif resume:
             log.info("no complete checkpoint in %s: starting from step 0", self.run_dir.checkpoints)
         if self.is_main:
