@@ -383,3 +383,27 @@ def test_validation_batches_are_fixed_and_split_across_ranks():
 def test_too_little_data_for_the_batch_is_a_user_error():
     with pytest.raises(UserError, match="fewer than world size x micro batch size = 64"):
         DistributedBatchLoader(numbered_blocks(63), 16, world_size=4)
+
+
+def test_prefetched_batches_and_their_position_are_those_of_the_loader():
+    from zoa_train.data.prefetch import DevicePrefetcher
+
+    blocks = numbered_blocks(103)
+
+    def loader():
+        return DistributedBatchLoader(blocks, 5, rank=1, world_size=2, seed=3)
+
+    def to_device(batch, device):
+        return {k: v.to(device) for k, v in batch.items()}
+
+    plain = loader()
+    reference = [next(plain)["input_ids"] for _ in range(25)]
+    ahead = DevicePrefetcher(loader(), to_device, torch.device("cpu"))
+    assert ahead.state_dict()["batch_index"] == 0  # nothing fetched yet
+    got = [next(ahead)["input_ids"] for _ in range(13)]  # crosses the epoch end (10 batches per epoch)
+    assert all(torch.equal(a, b) for a, b in zip(got, reference))
+    state = ahead.state_dict()  # after 13 batches, although the 14th is already fetched
+    assert (state["epoch"], state["batch_index"]) == (1, 3)
+    resumed = DevicePrefetcher(loader(), to_device, torch.device("cpu"))
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert all(torch.equal(next(resumed)["input_ids"], expected) for expected in reference[13:])
