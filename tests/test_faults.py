@@ -4,8 +4,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+
+from zoa_train.train.rundir import read_marker
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -172,3 +175,39 @@ def test_a_rank_that_stops_answering_is_reported_within_the_timeout(tmp_path, ca
     assert run.returncode == 1, stderr[-3000:]
     assert "train.timeout_s = 10 s" in stderr and "stopped answering" in stderr and "operation to complete" in stderr, stderr[-3000:]
     assert time.monotonic() - stopped_at < 120
+
+
+def test_reshard_continues_a_synchronised_checkpoint_at_another_world_size_and_refuses_a_local_step_one(tmp_path, cache_dir):
+    import json
+
+    from zoa_train.data.lm import epoch_rank_order
+    from zoa_train.train.trainer import reshard_position
+
+    # The data position carries over by sample: 2 ranks at global batch b take the blocks 1 rank takes
+    # as micro-batches 2b and 2b+1 of the same epoch order.
+    two = [epoch_rank_order(1000, 0, 3, 31, 2, 16, r) for r in range(2)]
+    one = epoch_rank_order(1000, 0, 3, 62, 1, 16, 0)
+    position = reshard_position({"epoch": 3, "batch_index": 7, "world_size": 2, "seed": 0}, 1)
+    assert position["batch_index"] == 14 and position["world_size"] == 1
+    assert (one[14:16].reshape(-1) == np.concatenate([two[0][7], two[1][7]])).all()
+
+    # 8 steps on 2 ranks: the checkpoint of step 4 lies inside a local-step period, step 8 (the last) is synchronised.
+    run_dir = tmp_path / "run"
+    args = thirty_steps(cache_dir, "train.checkpoint_every=4")
+    first = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args, "--set", "train.steps=8")
+    assert first.returncode == 0, first.stderr[-3000:]
+    local = run_dir / "checkpoints" / "step_00000004"
+    assert "model" in torch.load(local / "rank_00001.pt", weights_only=False)  # the ranks' parameters differ there
+
+    refused = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args, "--resume", "auto", "--nproc", "1")
+    assert refused.returncode == 2 and "pass --reshard" in refused.stderr, refused.stderr[-3000:]
+    inside = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args, "--resume", str(local), "--reshard", "--nproc", "1")
+    assert inside.returncode == 2 and "it was taken inside a 0/1 Adam local-step period" in inside.stderr, inside.stderr[-3000:]
+    assert "Traceback" not in refused.stderr + inside.stderr
+
+    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args, "--set", "train.steps=12", "--resume", "auto", "--reshard", "--nproc", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resharding" in done.stderr and "from 2 to 1 ranks" in done.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13)) and all(np.isfinite(r["loss"]) for r in rows)
+    assert read_marker(run_dir / "checkpoints" / "step_00000012")["world_size"] == 1

@@ -74,7 +74,9 @@ def _flip_byte(path, at=-20):
 def test_marker_records_checksums_and_old_markers_still_load(tmp_path):
     run = RunDirectory(tmp_path)
     saved = _save(run, 1)
-    assert read_marker(saved) == {"step": 1, "world_size": 1}
+    assert read_marker(saved) == {"step": 1, "world_size": 1, "synced": 1}
+    inside = RunDirectory(tmp_path / "other").save(2, 0, 1, {}, {"model.pt": {}}, keep=3, synced=False)
+    assert read_marker(inside)["synced"] == 0  # taken inside a local-step period: --reshard refuses it
     manifest = read_manifest(saved)
     assert sorted(manifest) == ["model.pt", "rank_00000.pt"]
     assert manifest["model.pt"][0] == (saved / "model.pt").stat().st_size

@@ -60,6 +60,7 @@ def run_command(
     out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]")] = None,
     resume: Annotated[str, typer.Option(help="auto (latest complete checkpoint in the run directory) or a checkpoint directory.")] = "",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Empty a non-empty run directory first.")] = False,
+    reshard: Annotated[bool, typer.Option("--reshard", help="With --resume: allow a checkpoint of another number of ranks (1-bit error buffers reset, the data continue at the same sample; docs/faults.md).")] = False,
     max_restarts: Annotated[int, typer.Option(help="When a rank dies, restart every rank from the latest complete checkpoint up to this many times (torch elastic; under torchrun pass torchrun's --max-restarts). [default: 0]")] = 0,
 ) -> None:
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
@@ -70,6 +71,8 @@ def run_command(
 
     config = load_recipe(recipe, set_)
     run_dir = out or Path("runs") / recipe.stem
+    if reshard and not resume:
+        fail("--reshard continues a checkpoint at another number of ranks; pass --resume auto or --resume CHECKPOINT with it.")
     if max_restarts < 0:
         fail(f"--max-restarts must be 0 or more, not {max_restarts}.")
     if max_restarts and cluster_environment() is not None:
@@ -80,12 +83,12 @@ def run_command(
             fail("--nproc must be at least 1.")
         check_batch_layout(config, world, str(recipe))
         check_local_gpus(config.train.backend, world)
-        RunDirectory(run_dir).check(resume or None, overwrite, world)  # before any rank starts; every rank checks again
+        RunDirectory(run_dir).check(resume or None, overwrite, world, reshard)  # before any rank starts; every rank checks again
     try:
         if cluster_environment() is None:
-            results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite, max_restarts=max_restarts)
+            results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite, reshard, max_restarts=max_restarts)
         else:
-            results = [run_rank(config.to_dict(), str(run_dir), resume or None, overwrite)]
+            results = [run_rank(config.to_dict(), str(run_dir), resume or None, overwrite, reshard)]
     except (RankFailed, CollectiveTimeout) as e:  # a fault, not bad input: exit 1, the rank's sentence
         from rich.markup import escape
 

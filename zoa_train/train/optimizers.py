@@ -128,6 +128,10 @@ class DDPAdam:
         self.ledger.load_state_dict(shared["ledger"])
         self.steps = shared["steps"]
 
+    def load_resharded(self, shared: dict) -> None:
+        """A checkpoint of another world size: Adam's state is the same on every rank and has no per-rank part."""
+        self.load_state_dicts(shared, {})
+
 
 class SelfSyncing:
     def __init__(self, model: torch.nn.Module, optimizer: DataParallelOptimizer, name: str = "this optimizer"):
@@ -190,6 +194,39 @@ class SelfSyncing:
 
     def load_state_dicts(self, shared: dict, rank: dict) -> None:
         self.optimizer.load_state_dicts(shared, rank)
+
+    def load_resharded(self, shared: dict) -> None:
+        """Continue a checkpoint written at another world size (--reshard). m, v and the other flat
+        buffers are identical on every rank at a synchronised step, so they carry over, moved from the
+        old world size's 1-bit layout to this one's; each rank's 1-bit error buffers start at zero.
+        A checkpoint taken inside a 0/1 Adam local-step period (ranks' buffers differ) is refused."""
+        from zoa_train.comm.onebit import SCALE_ROW, onebit_layout
+
+        saved, name = shared.get("zoa"), type(self.optimizer).__name__
+        if saved is None or saved.get("optimizer") != name:
+            raise ValueError(f"this optimizer state is not a {name} state")
+        if saved["buffers"] is None:
+            raise UserError(
+                f"cannot reshard a checkpoint taken inside a 0/1 Adam local-step period (the ranks' parameters and momenta "
+                f"differ there); resume it at its {saved['world_size']} ranks, or reshard one taken at a synchronised step "
+                "(the last step of a run always is)."
+            )
+        fresh = self.optimizer.shared_state_dict()["zoa"]
+        buffers = []
+        for i, group in enumerate(self.optimizer.param_groups):
+            sizes = [p.numel() for p in group["params"]]
+            old, new = onebit_layout(sizes, saved["world_size"], SCALE_ROW), onebit_layout(sizes, self.optimizer.world_size, SCALE_ROW)
+            if old.padded != saved["sizes"][i] or new.padded != fresh["sizes"][i]:
+                raise ValueError(f"the {name} state's layout ({saved['sizes']} elements) is not the one zoa-train would use at {saved['world_size']} ranks")
+            moved = {}
+            for key, flat in saved["buffers"][i].items():
+                out = torch.zeros(new.padded, dtype=flat.dtype)  # padding stays zero, as the optimizer keeps it
+                for n, a, b in zip(sizes, old.offsets, new.offsets):
+                    out[b : b + n] = flat[a : a + n]
+                moved[key] = out
+            buffers.append(moved)
+        resharded = {**shared, "zoa": {**saved, "world_size": fresh["world_size"], "sizes": fresh["sizes"], "buffers": buffers}}
+        self.optimizer.load_state_dicts(resharded, self.optimizer.rank_state_dict())  # this rank's own state as built: zero errors
 
 
 TrainingOptimizer = DDPAdam | SelfSyncing

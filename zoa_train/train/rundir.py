@@ -168,15 +168,23 @@ def verify_checkpoint(checkpoint: Path, hashes: bool = True, names: set[str] | N
     return None
 
 
-def check_resumable(checkpoint: Path, world_size: int) -> None:
-    """Refuse a missing, incomplete or other-world-size checkpoint with one sentence."""
+def check_resumable(checkpoint: Path, world_size: int, reshard: bool = False) -> None:
+    """Refuse a missing or incomplete checkpoint, or one of another world size unless `reshard`, with one sentence."""
     if not (checkpoint / MARKER).is_file():
         raise UserError(f"{checkpoint} is not a complete checkpoint (no {MARKER} marker).")
-    saved = read_marker(checkpoint)["world_size"]
-    if saved != world_size:
+    marker = read_marker(checkpoint)
+    saved = marker["world_size"]
+    if saved != world_size and reshard and marker.get("synced") == 0:
+        raise UserError(
+            f"cannot reshard checkpoint {checkpoint}: it was taken inside a 0/1 Adam local-step period (the ranks' parameters "
+            f"and momenta differ there); resume it at its {saved} ranks, or reshard one taken at a synchronised step "
+            "(the last step of a run always is)."
+        )
+    if saved != world_size and not reshard:
         raise UserError(
             f"checkpoint {checkpoint} was written by {saved} ranks and this run has {world_size}; "
-            "the optimizer's error buffers are per rank, so resume with the same number of processes."
+            "the optimizer's error buffers are per rank, so resume with the same number of processes, "
+            "or pass --reshard to continue at this size (error buffers reset; see docs/faults.md)."
         )
 
 
@@ -265,7 +273,7 @@ class RunDirectory:
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"run directory {self.path} exists and is not a directory.")
 
-    def check(self, resume: str | None, overwrite: bool, world_size: int) -> Path | None:
+    def check(self, resume: str | None, overwrite: bool, world_size: int, reshard: bool = False) -> Path | None:
         """Read-only: the checkpoint to resume from (None: start at step 0), or a UserError for a
         directory or checkpoint this run must not use (one another job holds, among them)."""
         self._check_arguments(resume, overwrite)
@@ -283,7 +291,7 @@ class RunDirectory:
             else:
                 target = Path(resume)
             if target is not None:
-                check_resumable(target, world_size)
+                check_resumable(target, world_size, reshard)
                 if resume != "auto":
                     problem = verify_checkpoint(target)
                     if problem is not None:
@@ -303,7 +311,7 @@ class RunDirectory:
             else:
                 entry.unlink()
 
-    def prepare(self, resume: str | None, overwrite: bool, world_size: int, rank: int) -> Path | None:
+    def prepare(self, resume: str | None, overwrite: bool, world_size: int, rank: int, reshard: bool = False) -> Path | None:
         """On every rank (a collective when torch.distributed is initialised): rank 0 checks and sets
         the directory up (emptied with `overwrite`, metrics.jsonl trimmed to the resumed step);
         returns the checkpoint to resume from. Raises the same UserError on every rank. Rank 0 first
@@ -314,7 +322,7 @@ class RunDirectory:
             try:
                 self._check_arguments(resume, overwrite)
                 self.lock()  # before emptying or trimming anything: two jobs never both get here
-                target = self.check(resume, overwrite, world_size)
+                target = self.check(resume, overwrite, world_size, reshard)
                 if overwrite:
                     self._empty()
                 if resume:
@@ -345,7 +353,7 @@ class RunDirectory:
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
-    def save(self, step: int, rank: int, world_size: int, rank_state: dict, shared_files: dict[str, object], keep: int) -> Path:
+    def save(self, step: int, rank: int, world_size: int, rank_state: dict, shared_files: dict[str, object], keep: int, synced: bool = True) -> Path:
         """Collective: every rank writes `rank_state` as rank_XXXXX.pt; rank 0 also writes each of
         `shared_files` (name -> object, e.g. model.pt), then publishes the checkpoint, its files'
         sizes and SHA-256 in the marker, and drops all but the newest `keep`. A write that fails on
@@ -376,7 +384,7 @@ class RunDirectory:
             error = _agree(error)
         if error is None and rank == 0:
             try:
-                self._publish(staged, final, step, world_size, recorded)
+                self._publish(staged, final, step, world_size, recorded, synced)
             except OSError as e:
                 error = self._save_error(name, e)
             except _MissingRanks as e:
@@ -396,7 +404,7 @@ class RunDirectory:
     def _save_error(self, name: str, e: OSError) -> str:
         return f"could not write checkpoint {name} under {self.checkpoints}: {e.strerror or e}; the earlier checkpoints are untouched."
 
-    def _publish(self, staged: Path, final: Path, step: int, world_size: int, recorded: dict[str, tuple[int, str]]) -> None:
+    def _publish(self, staged: Path, final: Path, step: int, world_size: int, recorded: dict[str, tuple[int, str]], synced: bool = True) -> None:
         """Rank 0: fold the ranks' sidecars into the marker, then make the checkpoint visible."""
         missing = [r for r in range(world_size) if not (staged / f"rank_{r:05d}.pt").is_file()]
         if missing:
@@ -410,7 +418,7 @@ class RunDirectory:
                 raise _MissingRanks(f"the checksum of rank {r}'s file is missing")
             recorded[own] = (int(size), digest)
             sidecar.unlink()
-        lines = [f"step {step}", f"world_size {world_size}"]
+        lines = [f"step {step}", f"world_size {world_size}", f"synced {int(synced)}"]  # synced 0: inside a local-step period
         lines += [f"file {n} {size} {digest}" for n, (size, digest) in sorted(recorded.items())]
         _write_synced(staged / MARKER, "".join(line + "\n" for line in lines))
         _fsync_dir(staged)

@@ -31,7 +31,7 @@ from zoa_train.tasks import build_task
 from zoa_train.train.metrics import MetricsLogger
 from zoa_train.train.optimizers import build_optimizer
 from zoa_train.train.precision import LossScaler, autocast
-from zoa_train.train.rundir import RunDirectory, complete_checkpoints
+from zoa_train.train.rundir import RunDirectory, complete_checkpoints, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a complete checkpoint; `--resume auto` continues exactly
 
 
-def run_rank(recipe_dict: dict, run_dir: str, resume: str | None, overwrite: bool = False) -> dict | None:
+def run_rank(recipe_dict: dict, run_dir: str, resume: str | None, overwrite: bool = False, reshard: bool = False) -> dict | None:
     """Body of one rank; rank 0 returns the run's summary. A UserError (bad data file, checkpoint, ...)
     comes back as {"user_error": message} so the launching process can report it in one sentence.
 
@@ -70,7 +70,7 @@ def run_rank(recipe_dict: dict, run_dir: str, resume: str | None, overwrite: boo
         overwrite = False
     trainer = None
     try:
-        trainer = Trainer(recipe_from_dict(recipe_dict), Path(run_dir), resume, overwrite)
+        trainer = Trainer(recipe_from_dict(recipe_dict), Path(run_dir), resume, overwrite, reshard)
         return trainer.fit()
     except UserError as e:
         _store_set(_FAILURE_KEY, str(e))
@@ -123,6 +123,17 @@ def _store_get(key: str, wait_s: float) -> str | None:
     return None
 
 
+def reshard_position(state: dict, world_size: int) -> dict:
+    """A data loader position (epoch, batch_index in chunks of world_size * micro_batch_size samples) at
+    another world size: the same epoch order continued at the same sample, so the global batches that
+    follow are the very ones the old world size would have drawn (until the epoch's skipped tail, whose
+    length depends on the world size)."""
+    samples = state["batch_index"] * state["world_size"]  # in micro-batches of micro_batch_size
+    if samples % world_size:
+        log.warning("the data position (%d micro-batches into epoch %d) does not divide by %d ranks: rounded down", samples, state["epoch"], world_size)
+    return {**state, "world_size": world_size, "batch_index": samples // world_size}
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """A seed for this rank's own random draws, unrelated to the other ranks' and to `seed` itself."""
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1)
@@ -134,7 +145,7 @@ def lr_schedule(recipe: Recipe) -> LRSchedule:
 
 
 class Trainer:
-    def __init__(self, recipe: Recipe, run_dir: Path, resume: str | None = None, overwrite: bool = False):
+    def __init__(self, recipe: Recipe, run_dir: Path, resume: str | None = None, overwrite: bool = False, reshard: bool = False):
         self.recipe = recipe
         t = recipe.train
         self.device = init_process_group(None if t.backend == "auto" else t.backend, timeout_s=t.timeout_s)
@@ -143,7 +154,7 @@ class Trainer:
         torch.set_num_threads(threads_per_rank(self.world))
         self.accum = check_batch_layout(recipe, self.world)
         self.run_dir = RunDirectory(run_dir)
-        checkpoint = self.run_dir.prepare(resume, overwrite, self.world, self.rank)
+        checkpoint = self.run_dir.prepare(resume, overwrite, self.world, self.rank, reshard)
         self._previous_handlers = {}
         self.stop_requested = False
         try:
@@ -364,26 +375,37 @@ class Trainer:
                     "skipped_nonfinite": self.skipped_nonfinite,
                 },
             }
-        self.run_dir.save(self.step, self.rank, self.world, rank_state, shared, self.recipe.train.keep_checkpoints)
+        self.run_dir.save(self.step, self.rank, self.world, rank_state, shared, self.recipe.train.keep_checkpoints, not self.opt.parameters_differ)
 
     def _load(self, path: Path) -> None:
         # Everything is read to the CPU and copied into place: loading onto the GPU would hold
         # extra model-sized copies there, and RNG states must be CPU byte tensors.
         load = self.run_dir.load
+        saved_world = read_marker(path)["world_size"]
+        resharded = saved_world != self.world  # only with --reshard (RunDirectory.check refuses it otherwise)
         self._load_model(path, load(path, "model.pt"))
-        mine = load(path, f"rank_{self.rank:05d}.pt")
-        if "model" in mine:
+        mine = load(path, f"rank_{min(self.rank, saved_world - 1):05d}.pt")
+        if "model" in mine and not resharded:
             self._load_model(path, mine["model"])
         try:
-            self.opt.load_state_dicts(load(path, "optimizer.pt"), mine["optimizer"])
+            if resharded:  # refuses a checkpoint inside a local-step period (rank files then hold their own models)
+                self.opt.load_resharded(load(path, "optimizer.pt"))
+            else:
+                self.opt.load_state_dicts(load(path, "optimizer.pt"), mine["optimizer"])
         except (ValueError, KeyError) as e:  # another optimizer, model size or 1-bit layout
             raise UserError(f"cannot resume from {path}: {e}.") from None
+        if resharded:
+            if self.is_main:
+                log.warning("resharding %s from %d to %d ranks: parameters, momentum and variance carry over, the 1-bit error "
+                            "buffers start at zero and the data continue at the same sample of the same epoch order", path, saved_world, self.world)
+            mine["loader"] = reshard_position(mine["loader"], self.world)
         self.task.loader.load_state_dict(mine["loader"])
-        torch.set_rng_state(mine["rng"]["torch"])
-        if mine["rng"].get("device") is not None and self.device.type == "cuda":
-            torch.cuda.set_rng_state(mine["rng"]["device"], self.device)
-        np.random.set_state(mine["rng"]["numpy"])
-        random.setstate(mine["rng"]["python"])
+        if self.rank < saved_world:  # a rank the checkpoint did not have keeps its fresh seed (rank_seed)
+            torch.set_rng_state(mine["rng"]["torch"])
+            if mine["rng"].get("device") is not None and self.device.type == "cuda":
+                torch.cuda.set_rng_state(mine["rng"]["device"], self.device)
+            np.random.set_state(mine["rng"]["numpy"])
+            random.setstate(mine["rng"]["python"])
         shared = load(path, "trainer.pt")
         self.scheduler.load_state_dict(shared["scheduler"])
         self.scaler.load_state_dict(shared["scaler"])
