@@ -24,6 +24,7 @@ import torch.distributed as dist
 import yaml
 
 from zoa_train.config import Recipe, check_batch_layout, recipe_from_dict
+from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import init_process_group, restart_count, threads_per_rank
 from zoa_train.errors import UserError
 from zoa_train.optim import LRSchedule
@@ -166,6 +167,7 @@ class Trainer:
     def _build(self, recipe: Recipe, resume: str | None, checkpoint: Path | None) -> None:
         t = recipe.train
         self.task = build_task(recipe, self.rank, self.world)
+        self.batches = DevicePrefetcher(self.task.loader, self.task.to_device, self.device)
         torch.manual_seed(t.seed)  # the same initial model on every rank
         self.model = self.task.build_model().to(self.device)
         # From here on each rank draws its own dropout masks (the same masks on every rank would
@@ -209,7 +211,7 @@ class Trainer:
             loss_sum = torch.zeros((), device=self.device)
             self.phase = "forward and backward (DDP's gradient allreduce)"
             for micro in range(self.accum):
-                batch = self.task.to_device(next(self.task.loader), self.device)
+                batch = next(self.batches)
                 last_micro = micro == self.accum - 1
                 with (contextlib.nullcontext() if last_micro else self.opt.no_sync()), autocast(t.precision, self.device):
                     loss = self.task.loss(self.opt.module, batch) / self.accum
@@ -351,7 +353,7 @@ class Trainer:
         self.opt.average_statistics()
         rank_state = {
             "optimizer": self.opt.rank_state_dict(),
-            "loader": self.task.loader.state_dict(),
+            "loader": self.batches.state_dict(),
             "rng": {
                 "torch": torch.get_rng_state(),
                 "device": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,  # this rank's GPU only
@@ -399,7 +401,7 @@ class Trainer:
                 log.warning("resharding %s from %d to %d ranks: parameters, momentum and variance carry over, the 1-bit error "
                             "buffers start at zero and the data continue at the same sample of the same epoch order", path, saved_world, self.world)
             mine["loader"] = reshard_position(mine["loader"], self.world)
-        self.task.loader.load_state_dict(mine["loader"])
+        self.batches.load_state_dict(mine["loader"])
         if self.rank < saved_world:  # a rank the checkpoint did not have keeps its fresh seed (rank_seed)
             torch.set_rng_state(mine["rng"]["torch"])
             if mine["rng"].get("device") is not None and self.device.type == "cuda":
