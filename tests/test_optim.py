@@ -377,3 +377,60 @@ def test_adam_is_ddp_with_either_bias_correction(bias_correction):
         assert name == ("AdamW" if bias_correction else "DataParallelAdam")
     assert torch.equal(ranks[0][3], ranks[1][3])  # DDP averaged the gradients
     assert torch.equal(ranks[0][4], ranks[1][4])
+
+
+def _fp16_overflow_checks(rank, world_size):
+    import torch.distributed as dist
+
+    from zoa_train.train.precision import LossScaler
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = ZeroOneAdam(model.parameters(), lr=0.01, var_freeze_step=4, var_update_scaler=1, local_steps="fixed", local_step_interval=4)
+    scaler = LossScaler(True, init_scale=1024.0)
+    calls = []
+    real = dist.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        calls.append(tensor.numel())
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = counting  # the scaler's collective is dist.all_reduce; the 1-bit passes use others
+    log = []
+    try:
+        for t in range(16):
+            opt.zero_grad()
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * rank + t))
+            scaler.scale_loss(model(x).pow(2).mean()).backward()
+            if rank == 1 and t == 9:  # an overflow on this rank only, at a local step
+                model.weight.grad[0, 0] = float("inf")
+            before = len(calls)
+            communicates = opt.next_step_communicates()
+            overflow = scaler.unscale_and_check(list(model.parameters()), communicates, opt.ledger)
+            checked = len(calls) - before
+            if overflow and communicates:
+                continue
+            if overflow:
+                for p in model.parameters():
+                    p.grad.zero_()
+            opt.step()
+            log.append((t, communicates, opt.last_step.synced, checked, overflow))
+    finally:
+        dist.all_reduce = real
+    opt.synchronize()
+    return log, scaler.scale, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), opt.ledger.by_kind.get("overflow_check", {})
+
+
+def test_fp16_overflow_is_checked_collectively_only_on_steps_that_communicate():
+    ranks = run_ranks(_fp16_overflow_checks, 2)
+    for log, _, _, counted in ranks:
+        assert all(communicates == synced for _, communicates, synced, _, _ in log)  # the prediction is the step's kind
+        assert all(checked == (1 if communicates else 0) for _, communicates, _, checked, _ in log)  # no collective on local steps
+        assert any(not communicates for _, communicates, _, _, _ in log)
+        assert counted["calls"] == sum(c for _, c, _, _, _ in log)  # every check that communicated is in the ledger
+    # Rank 1's overflow at a local step halves its scale only and zeroes only its gradients; the ranks
+    # still agree on every step's kind and end identical after a sync.
+    assert [t for t, *_ in ranks[0][0]] == [t for t, *_ in ranks[1][0]] == list(range(16))
+    assert ranks[1][0][9][4] and not ranks[0][0][9][4]
+    assert ranks[0][1] == 1024.0 and ranks[1][1] == 512.0
+    assert torch.equal(ranks[0][2], ranks[1][2])

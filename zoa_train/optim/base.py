@@ -141,6 +141,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         """Whether ranks hold different parameters now (pending local steps)."""
         return False
 
+    def next_step_communicates(self) -> bool:
+        """Whether the coming step() communicates (0/1 Adam's local steps do not). The caller may then
+        piggyback a small collective on it, such as fp16's overflow check, without adding a round."""
+        return True
+
     @property
     def variance_updates(self) -> int:
         """Steps so far that updated the variance."""

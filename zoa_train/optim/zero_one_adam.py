@@ -35,6 +35,8 @@ add nothing to what is compressed (infinite denominator, see DataParallelOptimiz
 Once no variance update can come (t >= var_freeze_step) v is replaced in place by d.
 """
 
+import copy
+
 import torch
 
 from zoa_train.comm.onebit import SCALE_ROW
@@ -98,6 +100,13 @@ class ZeroOneAdam(DataParallelOptimizer):
     def parameters_differ(self) -> bool:
         return self.schedule.steps_since_sync > 0
 
+    def next_step_communicates(self) -> bool:
+        return copy.copy(self.schedule).advance(self._lead_lr()).sync  # decided on a copy: nothing advances
+
+    def _lead_lr(self) -> float:
+        """The lr the schedule follows: the first group that has parameters."""
+        return next((g for g, f in zip(self.param_groups, self._flat) if f.numel), self.param_groups[0])["lr"]
+
     @property
     def variance_updates(self) -> int:
         return self.schedule.variance_updates
@@ -106,8 +115,7 @@ class ZeroOneAdam(DataParallelOptimizer):
         return VARIANCE if variance_updated else super()._kind(synced, variance_updated)
 
     def _step(self) -> tuple[bool, bool, int]:
-        lead = next((g for g, f in zip(self.param_groups, self._flat) if f.numel), self.param_groups[0])
-        decision = self.schedule.advance(lead["lr"])
+        decision = self.schedule.advance(self._lead_lr())
         t = decision.step
         for index, (group, flat, buffers, scalars) in enumerate(zip(self.param_groups, self._flat, self._buffers, self._scalars)):
             if not flat.numel:

@@ -8,7 +8,7 @@
                     optimizer communicates
 Both expose what the trainer needs and nothing about which they are: `module` (what the forward
 pass runs), `optimizer` (for the lr scheduler), `ledger`, `no_sync()`, `step() -> step kind`,
-`variance_updates`, `parameters_differ`, `synchronize()` (parameters and statistics, ending any
+`variance_updates`, `parameters_differ`, `next_step_communicates()`, `synchronize()` (parameters and statistics, ending any
 local steps), `average_statistics()` (statistics only: never changes training), and state dicts split into what is the
 same on every rank (saved once) and what is each rank's own.
 
@@ -108,6 +108,9 @@ class DDPAdam:
 
     parameters_differ = False
 
+    def next_step_communicates(self) -> bool:
+        return True  # DDP allreduces every step's gradients
+
     def synchronize(self) -> None:
         """Parameters are identical after every step; nothing to do."""
 
@@ -178,6 +181,9 @@ class SelfSyncing:
     @property
     def parameters_differ(self) -> bool:
         return self.optimizer.parameters_differ
+
+    def next_step_communicates(self) -> bool:
+        return self.optimizer.next_step_communicates()
 
     def synchronize(self) -> None:
         self.optimizer.synchronize()

@@ -217,9 +217,14 @@ class Trainer:
                     loss = self.task.loss(self.opt.module, batch) / self.accum
                 self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
-            if self.scaler.unscale_and_check(params):
-                self.opt.optimizer.zero_grad(set_to_none=True)
-                continue  # every rank skips: no optimizer step, schedule or state touched
+            communicates = self.opt.next_step_communicates()
+            if self.scaler.unscale_and_check(params, communicates, self.ledger):
+                if communicates:
+                    self.opt.optimizer.zero_grad(set_to_none=True)
+                    continue  # every rank skips: no optimizer step, schedule or state touched
+                for p in params:  # a local step overflowed on this rank alone: it steps with zero gradients
+                    if p.grad is not None:
+                        p.grad.zero_()
             if t.skip_nonfinite:
                 if self._nonfinite_anywhere(loss_sum):  # agreed by one scalar allreduce per step
                     self.skipped_nonfinite += 1
@@ -354,6 +359,7 @@ class Trainer:
         rank_state = {
             "optimizer": self.opt.rank_state_dict(),
             "loader": self.batches.state_dict(),
+            "scaler": self.scaler.state_dict(),  # each rank's own: local steps check overflow locally
             "rng": {
                 "torch": torch.get_rng_state(),
                 "device": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,  # this rank's GPU only
@@ -371,7 +377,6 @@ class Trainer:
                 "trainer.pt": {
                     "step": self.step,
                     "scheduler": self.scheduler.state_dict(),
-                    "scaler": self.scaler.state_dict(),
                     "wall_time": self.wall_offset,
                     "world_size": self.world,
                     "skipped_nonfinite": self.skipped_nonfinite,
@@ -410,7 +415,7 @@ class Trainer:
             random.setstate(mine["rng"]["python"])
         shared = load(path, "trainer.pt")
         self.scheduler.load_state_dict(shared["scheduler"])
-        self.scaler.load_state_dict(shared["scaler"])
+        self.scaler.load_state_dict(mine["scaler"] if "scaler" in mine else shared["scaler"])  # older checkpoints kept one scale
         self.step, self.wall_offset = shared["step"], shared["wall_time"]
         self.skipped_nonfinite = shared.get("skipped_nonfinite", 0)
 
