@@ -88,7 +88,8 @@ SlurmdPort={_free_port()}
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={self.socket}
+# cred_expire also sets how long a requeued job waits before it may start again (default 120 s)
+AuthInfo=socket={self.socket},cred_expire=10
 CredType=cred/munge
 StateSaveLocation={r}/state
 SlurmdSpoolDir={r}/spool
@@ -102,6 +103,7 @@ TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 SchedulerType=sched/builtin
+SchedulerParameters=sched_interval=2
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
 ReturnToService=2
@@ -116,7 +118,7 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         self.run(_daemon("slurmd"), "-N", self.node, "-f", str(self.conf))
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            state = self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
+            state = self.node_state()
             if state == "idle":
                 return
             time.sleep(0.5)
@@ -127,19 +129,28 @@ PartitionName=debug Nodes={self.node} Default=YES MaxTime=INFINITE State=UP
         out = self.run("scontrol", "show", "job", "-o", job_id).stdout
         return dict(field.split("=", 1) for field in out.split() if "=" in field)
 
-    def wait(self, job_id: str, timeout: float, release_requeued: bool = False) -> dict[str, str]:
-        """Wait until the job has ended; with release_requeued, a requeued job waiting for its begin
-        time (Slurm holds requeued jobs back about two minutes) is allowed to start at once."""
+    def wait(self, job_id: str, timeout: float) -> dict[str, str]:
+        """Wait until the job has ended."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             info = self.job(job_id)
             state = info.get("JobState", "")
             if state in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
                 return info
-            if release_requeued and state == "PENDING" and info.get("Reason") == "BeginTime":
-                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", check=False)
             time.sleep(1)
         raise TimeoutError(f"job {job_id} did not end within {timeout:.0f} s: {self.job(job_id)}")
+
+    def node_state(self) -> str:
+        return self.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
+
+    def logs(self, lines: int = 40) -> str:
+        """The tails of slurmctld's and slurmd's logs, for a failure message."""
+        tails = []
+        for name in ("slurmctld.log", "slurmd.log"):
+            path = self.root / "log" / name
+            text = path.read_text(errors="replace").splitlines()[-lines:] if path.is_file() else []
+            tails.append(f"--- {name}\n" + "\n".join(text))
+        return "\n".join(tails)
 
     def stop(self) -> None:
         self.run("scancel", "--full", "--user=root", check=False)

@@ -417,7 +417,7 @@ def bench_optim(
     threads: Annotated[int, typer.Option(help="torch threads. [default: all cores]")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """Optimizer step cost against torch.optim.AdamW(foreach) and optimizer state bytes per parameter."""
+    """Optimizer step cost against torch.optim.AdamW(fused), the fastest AdamW, and optimizer state bytes per parameter."""
     from zoa_train.bench.optim import format_optimizer_bench, run_optimizer_bench
 
     if params_millions <= 0 or repeats < 1 or threads < 0:

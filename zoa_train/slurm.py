@@ -27,8 +27,8 @@ import shlex
 import shutil
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 import yaml
@@ -278,7 +278,7 @@ def record_submission(run_dir: Path, job_id: str, script: Path, job: SlurmJob) -
     entry = {
         "event": "submitted",
         "job_id": job_id,
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "time": datetime.now().astimezone().isoformat(timespec="seconds"),
         "script": str(script),
         "world_size": job.world_size,
         "launcher": job.launcher,

@@ -14,8 +14,9 @@ the optimizer step is timed. All optimizers use the same lr, betas, eps and deco
 
 1. Step time, the median of `repeats` timed steps after warm-up; the optimizers take turns, step
    by step, so that drift of the machine affects them alike. Each is reported as seconds per step
-   and as a ratio to torch.optim.AdamW(foreach=True) of the same run. The rows:
-   - AdamW foreach: the baseline. AdamW fused: torch's fused CPU kernel, for reference.
+   and as a ratio to torch.optim.AdamW(fused=True) of the same run, the fastest AdamW a user can run
+   on CPU and GPU. The rows:
+   - AdamW fused: the baseline. AdamW foreach: the multi-tensor path, for reference.
    - ZeroOneAdam local: var_freeze_step=1, local_steps="fixed", local_step_interval=10**9.
      Step 0 is the one variance step (it also freezes v into its denominator); every later step
      is a local step that communicates nothing. (With var_freeze_step=0 no variance step happens
@@ -26,7 +27,7 @@ the optimizer step is timed. All optimizers use the same lr, betas, eps and deco
    - OneBitAdam frozen: freeze_step=1 (for the same reason as above); at world size 1
      the 1-bit allreduce returns its input, so this is the Adam update with a frozen denominator.
    - DataParallelAdam: flat gradient copy, Adam update (its allreduce is a no-op here).
-   Target: a ZeroOneAdam local step at most 1.3x AdamW(foreach).
+   Target: a ZeroOneAdam local step at most 1.1x AdamW(fused).
 
 2. Persistent memory, counted from the tensors each optimizer holds after its steps, in bytes per
    parameter and in fp32 copies of the model (4 bytes per parameter each):
@@ -65,7 +66,7 @@ from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam
 
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 0.01
 WARMUP_STEPS = 3  # step 0 of ours is a variance / warm-up step; the next two warm the caches
-TARGET_LOCAL_VS_ADAMW = 1.3
+TARGET_LOCAL_VS_ADAMW = 1.1
 ANALYTIC_WORLD_SIZES = (1, 2, 8, 64)
 STATE_KEYS = ("_worker", "_server")  # OneBitAllReduce buffers that carry error across calls
 WORKSPACE_KEYS = ("_send", "_recv", "_gathered", "_mine", "_flags", "_flag_bytes", "_words", "_index", "_tables", "_server_coef")
@@ -154,7 +155,7 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
             times[name].append(time.perf_counter() - start)
     _check_phases(optimizers)
 
-    baseline = statistics.median(times["AdamW foreach"])
+    baseline = statistics.median(times["AdamW fused"])
     rows = []
     for name, opt in optimizers.items():
         step_s = statistics.median(times[name])
@@ -163,7 +164,7 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
             {
                 "name": name,
                 "step_s": step_s,
-                "vs_adamw_foreach": step_s / baseline,
+                "vs_adamw_fused": step_s / baseline,
                 "state_bytes": state,
                 "workspace_bytes": workspace,
                 "state_bytes_per_param": state / numel,
@@ -172,7 +173,7 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
                 "workspace_copies": workspace / (4 * numel),
             }
         )
-    local = next(r for r in rows if r["name"] == "ZeroOneAdam local")["vs_adamw_foreach"]
+    local = next(r for r in rows if r["name"] == "ZeroOneAdam local")["vs_adamw_fused"]
 
     zero_one = optimizers["ZeroOneAdam local"]
     comm = zero_one._comms[0]
@@ -292,13 +293,13 @@ def format_optimizer_bench(result: dict) -> Table:
         )
     )
     measured.add_column("optimizer", no_wrap=True)
-    for name in ("s/step", "vs AdamW foreach", "state B/param", "state copies", "comm B/param", "comm copies"):
+    for name in ("s/step", "vs AdamW fused", "state B/param", "state copies", "comm B/param", "comm copies"):
         measured.add_column(name, justify="right")
     for r in result["rows"]:
         measured.add_row(
             r["name"],
             f"{r['step_s']:.4f}",
-            f"{r['vs_adamw_foreach']:.2f}x",
+            f"{r['vs_adamw_fused']:.2f}x",
             f"{r['state_bytes_per_param']:.2f}",
             f"{r['state_copies']:.3f}",
             f"{r['workspace_bytes_per_param']:.3f}",
@@ -306,7 +307,7 @@ def format_optimizer_bench(result: dict) -> Table:
         )
     verdict = "met" if result["target_met"] else "NOT met"
     measured.caption = (
-        f"target: ZeroOneAdam local step <= {result['target_local_vs_adamw']}x AdamW(foreach): "
+        f"target: ZeroOneAdam local step <= {result['target_local_vs_adamw']}x AdamW(fused): "
         f"{result['local_vs_adamw']:.2f}x, {verdict}"
     )
 
