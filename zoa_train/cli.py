@@ -303,6 +303,26 @@ from zoa_train.evaluation.glue import glue_command  # noqa: E402
 eval_app.command("glue")(glue_command)
 
 
+@bench_app.command("ops")
+def bench_ops(
+    nproc: Annotated[int, typer.Option(help="Local ranks to start. [default: 2]")] = 2,
+    calls: Annotated[int, typer.Option(help="Timed 1-bit steps; the median is reported. [default: 5]")] = 5,
+    block_size: Annotated[int, typer.Option(help="Elements per block of a pass. [default: the device's]")] = 0,
+    per_group: Annotated[bool, typer.Option("--per-group", help="One 1-bit call per parameter group (the layout before one call per step).")] = False,
+    scale: Annotated[int, typer.Option(help="Divide every tensor size by this: smaller runs, the same tensor count. [default: 1]")] = 1,
+) -> None:
+    """Ops (kernel launches on an accelerator) and CPU time per 1-bit step of BERT-Large's 398 tensors, counted with torch.profiler."""
+    from zoa_train.bench.comm import bert_large_groups, profile_rank
+    from zoa_train.distributed import launch_local
+
+    if nproc < 2:
+        fail("--nproc must be at least 2: a 1-rank allreduce sends nothing.")
+    if calls < 1 or scale < 1 or block_size < 0:
+        fail("--calls and --scale must be at least 1 and --block-size 0 (the default) or more.")
+    groups = [[max(1, size // scale) for size in sizes] for sizes in bert_large_groups()]
+    console.print_json(data=launch_local(profile_rank, nproc, groups, calls, block_size or None, per_group, None)[0])
+
+
 @bench_app.command("comm")
 def bench_comm(
     sizes: Annotated[str, typer.Option(help="Comma-separated element counts (k, M, G suffixes). [default: 1M,16M,64M]")] = "1M,16M,64M",

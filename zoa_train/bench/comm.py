@@ -218,20 +218,3 @@ def profile_rank(groups: list[list[int]], calls: int, block_size: int | None, pe
         "seconds_per_step": statistics.median(seconds),
     }
 
-
-if __name__ == "__main__":
-    import argparse
-    import json
-
-    from zoa_train.distributed import launch_local
-
-    parser = argparse.ArgumentParser(description="Ops (kernel launches on an accelerator) and CPU time per 1-bit step of BERT-Large's tensors.")
-    parser.add_argument("--profile-ops", action="store_true", required=True, help="what this entry point does")
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--calls", type=int, default=5, help="timed steps; the median is reported")
-    parser.add_argument("--block-size", type=int, default=None, help="elements per block of a pass (default: the device's)")
-    parser.add_argument("--per-group", action="store_true", help="one call per parameter group, as before issue 13")
-    parser.add_argument("--scale", type=int, default=1, help="divide every tensor size by this (smaller runs, same tensor count)")
-    args = parser.parse_args()
-    groups = [[max(1, size // args.scale) for size in sizes] for sizes in bert_large_groups()]
-    print(json.dumps(launch_local(profile_rank, args.nproc, groups, args.calls, args.block_size, args.per_group, None)[0]))
