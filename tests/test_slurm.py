@@ -26,15 +26,23 @@ def short(steps: int, cache_dir: Path, checkpoint_every: int) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
-def zoa(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zoa_train.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+def zoa(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zoa_train.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def dry_run(run_dir: Path, *args: str) -> str:
+    """The script `zoa-train slurm --dry-run` prints: valid bash, and nothing written."""
+    done = zoa("slurm", RECIPE, "--out", str(run_dir), "--dry-run", *args)
+    assert done.returncode == 0, done.stderr
+    syntax = subprocess.run(["bash", "-n"], input=done.stdout, capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    assert not run_dir.exists()
+    return done.stdout
 
 
 def test_script_for_the_torchrun_launcher(tmp_path):
-    done = zoa("slurm", RECIPE, "--nodes", "2", "--gpus-per-node", "4", "--set", "train.micro_batch_size=4", "--time", "12:00:00",
-               "--partition", "gpu", "--env", "NCCL_SOCKET_IFNAME=eth0", "--out", str(tmp_path / "run"), "--dry-run")
-    assert done.returncode == 0, done.stderr
-    script = done.stdout
+    script = dry_run(tmp_path / "run", "--nodes", "2", "--gpus-per-node", "4", "--set", "train.micro_batch_size=4", "--time", "12:00:00",
+                     "--partition", "gpu", "--env", "NCCL_SOCKET_IFNAME=eth0")
     for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4", "#SBATCH --time=12:00:00",
                  "#SBATCH --partition=gpu", "#SBATCH --signal=B:USR2@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
                  "export NCCL_SOCKET_IFNAME=eth0", "trap on_warning USR2", 'scontrol requeue "$SLURM_JOB_ID"', "MAX_REQUEUES=3"):
@@ -43,22 +51,16 @@ def test_script_for_the_torchrun_launcher(tmp_path):
     assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"' in script
     assert "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR2 --shutdown-timeout=120" in script
     assert f"run {tmp_path / 'run' / 'slurm' / 'recipe.yaml'} --out {tmp_path / 'run'} --resume auto" in script
-    assert not (tmp_path / "run").exists()  # a dry run writes nothing
-    syntax = subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True)
-    assert syntax.returncode == 0, syntax.stderr
 
 
 def test_script_for_the_srun_launcher_on_cpus(tmp_path):
-    done = zoa("slurm", RECIPE, "--nproc-per-node", "2", "--launcher", "srun", "--signal", "USR1@300", "--max-requeues", "5",
-               "--master-port", "29555", "--sbatch-option", "--mem=8G", "--out", str(tmp_path / "run"), "--dry-run")
-    assert done.returncode == 0, done.stderr
-    script = done.stdout
+    script = dry_run(tmp_path / "run", "--nproc-per-node", "2", "--launcher", "srun", "--signal", "USR1@300", "--max-requeues", "5",
+                     "--master-port", "29555", "--sbatch-option", "--mem=8G")
     for line in ("#SBATCH --ntasks-per-node=2", "#SBATCH --signal=B:USR1@300", "#SBATCH --mem=8G", "export MASTER_PORT=29555",
                  "MAX_REQUEUES=5", "trap on_warning USR1"):
         assert line in script.splitlines(), line
     assert "gpus-per-node" not in script and "torch.distributed.run" not in script
     assert f"srun --ntasks-per-node=2 --kill-on-bad-exit=1 \\\n    {sys.executable} -m zoa_train.cli run" in script
-    assert subprocess.run(["bash", "-n"], input=script, capture_output=True, text=True).returncode == 0
 
 
 @pytest.mark.parametrize(
@@ -119,8 +121,7 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def submit(cluster: SlurmCluster, run_dir: Path, *args: str) -> str:
-    done = subprocess.run([sys.executable, "-m", "zoa_train.cli", "slurm", RECIPE, "--out", str(run_dir), *args],
-                          cwd=ROOT, capture_output=True, text=True, env=cluster.env, timeout=120)
+    done = zoa("slurm", RECIPE, "--out", str(run_dir), *args, env=cluster.env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "submitted job" in done.stdout and "tail -f" in done.stdout
     return json.loads((run_dir / "slurm" / "jobs.jsonl").read_text().splitlines()[-1])["job_id"]
@@ -160,8 +161,7 @@ def test_a_torchrun_job_completes(reference_run):
 def test_an_srun_job_completes(cluster, cache_dir, tmp_path):
     run_dir = tmp_path / "run"
     job_id = submit(cluster, run_dir, "--nproc-per-node", "2", "--launcher", "srun", *short(20, cache_dir, 0))
-    again = subprocess.run([sys.executable, "-m", "zoa_train.cli", "slurm", RECIPE, "--nproc-per-node", "2", "--resume", "auto",
-                            "--out", str(run_dir)], cwd=ROOT, capture_output=True, text=True, env=cluster.env, timeout=120)
+    again = zoa("slurm", RECIPE, "--nproc-per-node", "2", "--resume", "auto", "--out", str(run_dir), env=cluster.env, timeout=120)
     assert again.returncode == 2 and f"job {job_id} (" in again.stderr and "already uses run directory" in again.stderr
     info = cluster.wait(job_id, timeout=300)
     log = (run_dir / "slurm" / f"job-{job_id}.out").read_text()
@@ -204,8 +204,7 @@ def test_a_warned_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_on
 
 
 def test_a_job_sbatch_refuses_is_one_sentence_with_its_message(cluster, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "zoa_train.cli", "slurm", RECIPE, "--nproc-per-node", "2", "--partition", "nosuch",
-                           "--out", str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True, env=cluster.env, timeout=120)
+    done = zoa("slurm", RECIPE, "--nproc-per-node", "2", "--partition", "nosuch", "--out", str(tmp_path / "run"), env=cluster.env, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "sbatch refused the job:" in done.stderr and "invalid partition" in done.stderr.lower()
     assert not (tmp_path / "run").exists()  # no trace: the same command can be run again

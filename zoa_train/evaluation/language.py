@@ -467,6 +467,11 @@ def _load(checkpoint: Path):
     return load_language_model(checkpoint, expect="gpt2")
 
 
+def _described(loaded, source: str) -> dict:
+    """The fields every evaluation result starts with: what was scored, on what."""
+    return {"checkpoint": loaded.source, "step": loaded.step, "averaged_ranks": loaded.averaged_ranks, "data": source}
+
+
 def _write_json(path: Path | None, result: dict) -> None:
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -503,10 +508,7 @@ def evaluate_wikitext(checkpoint: Path, data: str, seq_len: int, stride: int, ba
     return {
         "protocol": "WikiText-103 zero-shot perplexity, overlapping windows (Megatron-LM / GPT-2 protocol)",
         "lm_eval_protocol": "lm-evaluation-harness wikitext: one document per article, end-of-text prefix, non-overlapping windows",
-        "checkpoint": loaded.source,
-        "step": loaded.step,
-        "averaged_ranks": loaded.averaged_ranks,
-        "data": source,
+        **_described(loaded, source),
         "detokenized": detokenize,
         "seq_len": used_seq_len,
         "stride": used_stride,
@@ -572,10 +574,7 @@ def evaluate_lambada(checkpoint: Path, data: str, batch_size: int, seq_len: int 
         world = ranks.world
     return {
         "protocol": "LAMBADA (OpenAI version, lm-evaluation-harness lambada_openai): strict last-word accuracy",
-        "checkpoint": loaded.source,
-        "step": loaded.step,
-        "averaged_ranks": loaded.averaged_ranks,
-        "data": source,
+        **_described(loaded, source),
         "seq_len": used_seq_len,
         "n_positions": n_positions,
         "contexts_cut": cut,
