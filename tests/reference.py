@@ -79,5 +79,5 @@ def zero_one_adam_reference(x0, grad_fn, world_size, steps, lr_fn, schedule, bet
             xs, ms, us = [x.clone() for _ in range(n)], [m.clone() for _ in range(n)], [torch.zeros_like(x0) for _ in range(n)]
             anchor, lr_sum, decay = x.clone(), 0.0, 1.0
         else:
-            xs = [xs[r] * (1 - lr * weight_decay) - lr * ms[r] / denom for r in range(n)]
+            xs = [xs[r] - lr * ms[r] / denom for r in range(n)]  # the period's weight decay comes at its sync
     return xs, ms

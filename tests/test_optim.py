@@ -117,6 +117,7 @@ def _sync_invariants(rank, world_size, weight_decay, update_clip=None):
             flat = torch.cat([p.detach().reshape(-1) for p in opt.param_groups[0]["params"] + opt.param_groups[1]["params"]])
             momentum = torch.cat([b["exp_avg"] for b in opt._buffers])
             snapshots.append((t, flat.clone(), momentum.clone()))
+    opt.synchronize()  # ends the last local-step period, whose weight decay comes at its sync
     return snapshots, emb.weight.detach()[10:].clone(), frozen_rows * lr_products, opt.ledger.average_bits_per_param
 
 
@@ -206,7 +207,10 @@ def _momentum_under_weight_decay(rank, world_size, weight_decay):
 def test_weight_decay_does_not_leak_into_the_rebuilt_momentum():
     plain = run_ranks(_momentum_under_weight_decay, 2, 0.0)[0]
     decayed = run_ranks(_momentum_under_weight_decay, 2, 0.5)[0]
-    assert all(torch.equal(a, b) for a, b in zip(plain, decayed))
+    # Equal to rounding: the displacement anchor - x is rounded at the (decayed) parameters' scale.
+    # A leak would be of the order lr * wd = 0.005 of the momentum.
+    for a, b in zip(plain, decayed):
+        assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
 def _resume(rank, world_size, steps, save_at, path, load):

@@ -210,14 +210,16 @@ class DistributedBatchLoader:
 
 
 def validation_batches(
-    blocks: Blocks, micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, max_batches: int | None = None
+    blocks: Blocks, micro_batch_size: int, rank: int = 0, world_size: int = 1, max_batches: int | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Yield this rank's validation batches: the same every call, in a fixed order.
 
     Rank ``r`` gets the ``r``-th of ``world_size`` equal contiguous slices of the blocks; the
     remainder is left out so that every rank runs the same number of batches (their collectives
-    stay matched) and the ranks' losses can simply be averaged. MLM masks are seeded by
-    (seed, rank, batch), so the loss is reproducible for a given world size.
+    stay matched) and the ranks' losses can simply be averaged. MLM masks (and sentence pairs) are
+    seeded by the batch's first block alone, never by the training seed: runs with different seeds
+    are scored on the same validation set, so their losses differ only by what training did
+    (seeded masks once made BERT's seed-to-seed spread look larger than it is).
     """
     per_rank = len(blocks) // (world_size * micro_batch_size)
     if per_rank == 0:
@@ -231,4 +233,4 @@ def validation_batches(
     for i in range(per_rank):
         start = first + i * micro_batch_size
         indices = np.arange(start, start + micro_batch_size)
-        yield blocks.batch(indices, step_generator(seed, rank, i, _VALIDATION_STREAM))
+        yield blocks.batch(indices, step_generator(_VALIDATION_STREAM, start))

@@ -25,8 +25,8 @@ class DataParallelAdam(DataParallelOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, process_group, allreduce_dtype)
         for flat, buffers in zip(self._flat, self._buffers):
-            buffers["exp_avg"] = flat.zeros()
-            buffers["exp_avg_sq"] = flat.zeros()
+            buffers["exp_avg"] = flat.keep(flat.zeros())
+            buffers["exp_avg_sq"] = flat.keep(flat.zeros())
 
     @property
     def variance_updates(self) -> int:

@@ -41,12 +41,23 @@ class FlatGroup:
         self.size = layout.padded  # elements of each flat buffer
         self.offsets = layout.offsets
         self.device = params[0].device if params else torch.device("cpu")
+        self._kept: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
     def zeros(self) -> torch.Tensor:
         return torch.zeros(self.size, dtype=torch.float32, device=self.device)
 
+    def keep(self, flat: torch.Tensor) -> torch.Tensor:
+        """Register a buffer that lives as long as the optimizer: its views are made once, not on
+        every step (slicing a few hundred views costs more than a small model's whole step)."""
+        self._kept[id(flat)] = (flat, self._slice(flat))
+        return flat
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of `flat` shaped like each parameter."""
+        """Views of `flat` shaped like each parameter (do not modify the list)."""
+        kept = self._kept.get(id(flat))
+        return kept[1] if kept is not None and kept[0] is flat else self._slice(flat)
+
+    def _slice(self, flat: torch.Tensor) -> list[torch.Tensor]:
         return [flat[offset : offset + p.numel()].view_as(p) for p, offset in zip(self.params, self.offsets)]
 
     def flatten(self, tensors: list[torch.Tensor | None]) -> torch.Tensor:

@@ -34,9 +34,9 @@ class OneBitAdam(DataParallelOptimizer):
         super().__init__(params, defaults, process_group, allreduce_dtype, scale_row)
         self.freeze_step = freeze_step
         for flat, buffers, scalars in zip(self._flat, self._buffers, self._scalars):
-            buffers["exp_avg"] = flat.zeros()
+            buffers["exp_avg"] = flat.keep(flat.zeros())
             # Holds v during warm-up and, once frozen, its final denominator sqrt(v/bc2)+eps.
-            buffers["exp_avg_sq"] = flat.zeros()
+            buffers["exp_avg_sq"] = flat.keep(flat.zeros())
             scalars.update(variance_updates=0, frozen=0)
 
     @property

@@ -7,9 +7,12 @@ denominator d = sqrt(v)+eps (identical on every rank: v only changes on full-pre
       Using g_bar for the momentum too (as the authors' implementation does) makes the step a
       sync without a 1-bit round: m, v and x are identical on all ranks afterwards.
   every other step (Algorithm 1 as written; a sync interval of 1 before the freeze):
-      m <- b1*m + (1-b1)*g (local);  w <- w + gamma*m/d;  x <- x - gamma*m/d (local step);
-      at a sync step: w_bar = 1-bit allreduce of w;  x <- decay*x_anchor - w_bar;
+      m <- b1*m + (1-b1)*g (local);  a local step: x <- x - gamma*m/d, nothing more (two passes,
+      as cheap as a fused AdamW step);
+      at a sync step: w = (x_anchor - x) + gamma*m/d (the period's displacement);
+      w_bar = 1-bit allreduce of w;  x <- decay*x_anchor - w_bar;
       m <- w_bar*d / sum(gamma since the last sync);  w <- 0.
+      The weight decay of a local-step period reaches the parameters at its sync (decay).
 With an exact allreduce this is Algorithm 1 to the last bit of rounding (tests check it).
 What the 1-bit compressor sees is w = sum of gamma*m/d: a momentum (identical on all ranks but for
 the last (1-b1)*g terms), in Adam's normalised units. That is what makes 1 bit enough:
@@ -25,8 +28,8 @@ variance steps, each tensor's m/d is scaled down to an RMS of at most update_cli
 clipping) before it is applied and accumulated. On gpt2_tiny, seed 1 stayed on the unigram plateau
 without it (val 4.970 vs Adam's 4.429); with it the three seeds end within 1% of Adam (docs/results.md).
 x_anchor (x after the last sync), w_bar, g_bar and d are identical on every rank, so x and m are
-bit-identical after every sync. Weight decay is decoupled: it never enters u, w or m; a
-local-step period applies the product of its (1 - lr*wd) factors at the sync.
+bit-identical after every sync. Weight decay is decoupled: it never enters u, w or m (but for the
+rounding of x_anchor - x); a local-step period applies the product of its (1 - lr*wd) factors at the sync.
 w lives in the 1-bit allreduce's own error buffer (its accumulator), so the persistent state is
 m, v, x_anchor, the worker buffer and the server chunk: 4 + 1/n fp32 copies of the model, laid
 out as the 1-bit allreduce lays out the group (each tensor on its own scale rows).
@@ -78,10 +81,10 @@ class ZeroOneAdam(DataParallelOptimizer):
             local_step_interval=local_step_interval,
         )
         for flat, buffers, scalars in zip(self._flat, self._buffers, self._scalars):
-            buffers["exp_avg"] = flat.zeros()
+            buffers["exp_avg"] = flat.keep(flat.zeros())
             # Holds v until the freeze and then its final denominator sqrt(v/bc2)+eps.
-            buffers["exp_avg_sq"] = flat.zeros()
-            buffers["anchor"] = flat.flatten([p.detach() for p in flat.params])
+            buffers["exp_avg_sq"] = flat.keep(flat.zeros())
+            buffers["anchor"] = flat.keep(flat.flatten([p.detach() for p in flat.params]))
             scalars.update(lr_sum=0.0, decay=1.0, frozen=0)
         self._root_numels: dict[int, torch.Tensor] = {}  # per group: sqrt(numel) of each tensor, for _clipped
 
@@ -91,7 +94,7 @@ class ZeroOneAdam(DataParallelOptimizer):
         if not self.schedule.steps_since_sync:
             return super().synchronize()
         with torch.no_grad():
-            self._sync()
+            self._sync(local_steps_taken=True)
         self.schedule.steps_since_sync = 0
         self._average_tensors(in_step=True)
         self.ledger.end_step()
@@ -144,15 +147,14 @@ class ZeroOneAdam(DataParallelOptimizer):
             numerator = m  # this step's displacement is step_size * numerator / denom
             if group["update_clip"] and t < self.schedule.var_freeze_step:
                 numerator = self._clipped(index, flat, m, denom, group["update_clip"])
-            self._accumulator(index).addcdiv_(numerator, denom, value=step_size)
             scalars["lr_sum"] += step_size
             scalars["decay"] *= 1 - lr * wd
-            if not decision.sync:
-                if wd:
-                    torch._foreach_mul_(params, 1 - lr * wd)
+            if decision.sync:  # this step's displacement goes straight into w
+                self._accumulator(index).addcdiv_(numerator, denom, value=step_size)
+            else:  # a local step: Adam's step with the frozen d; the sync applies the weight decay
                 torch._foreach_addcdiv_(params, flat.views(numerator), flat.views(denom), value=-step_size)
         if decision.sync and not decision.variance_update:
-            self._sync()
+            self._sync(local_steps_taken=decision.interval > 1)
         return decision.sync, decision.variance_update, decision.interval
 
     def _clipped(self, index: int, flat, m: torch.Tensor, denom: torch.Tensor, limit: float) -> torch.Tensor:
@@ -170,9 +172,16 @@ class ZeroOneAdam(DataParallelOptimizer):
         torch._foreach_mul_(flat.views(clipped), list(rms.div_(limit).clamp_(min=1.0).reciprocal_().unbind()))
         return clipped
 
-    def _sync(self) -> None:
+    def _sync(self, local_steps_taken: bool) -> None:
         """x <- decay*anchor - w_bar and m <- w_bar*denom/lr_sum in every group, from data identical
-        on every rank; one 1-bit call for all groups."""
+        on every rank; one 1-bit call for all groups. After local steps, their displacement
+        anchor - x joins w first (local steps do not accumulate it, which keeps them one pass
+        over x and one over m, as cheap as a fused AdamW step)."""
+        if local_steps_taken:
+            for index, (flat, buffers) in enumerate(zip(self._flat, self._buffers)):
+                if flat.numel:
+                    displacement = torch._foreach_sub(flat.views(buffers["anchor"]), flat.params)
+                    torch._foreach_add_(flat.views(self._accumulator(index)), displacement)
         self._exchange([buffers["exp_avg"] for buffers in self._buffers])  # m <- w_bar, the averaged displacement
         for index, flat in enumerate(self._flat):
             if flat.numel:
@@ -180,16 +189,17 @@ class ZeroOneAdam(DataParallelOptimizer):
 
     def _finish_sync(self, index: int) -> None:
         group, flat, buffers, scalars = self.param_groups[index], self._flat[index], self._buffers[index], self._scalars[index]
-        m, anchor = buffers["exp_avg"], buffers["anchor"]
+        m, anchor = buffers["exp_avg"], buffers["anchor"]  # m holds w_bar
         denom = self._denominator_of(index, group)
-        inactive = denom == float("inf")  # v == 0: compression noise only
-        m.masked_fill_(inactive, 0.0)
-        # The new point is computed in the anchor, then copied once into the parameters.
+        # Where v == 0 (denom = inf) w_bar is compression noise only: w_bar*denom is +-inf or nan
+        # there, and zeroing non-finite values keeps those coordinates still without building a mask.
+        m.mul_(denom).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        # The new point, decay*anchor - w_bar (w_bar*denom/denom: 0 where denom = inf), is computed
+        # in the anchor and then copied once into the parameters.
         if scalars["decay"] != 1.0:
             anchor.mul_(scalars["decay"])
-        anchor.sub_(m)
+        anchor.addcdiv_(m, denom, value=-1.0)
         torch._foreach_copy_(flat.params, flat.views(anchor))
-        m.mul_(denom).masked_fill_(inactive, 0.0)
         if scalars["lr_sum"] > 0:
             m.div_(scalars["lr_sum"])
         scalars.update(lr_sum=0.0, decay=1.0)

@@ -51,7 +51,7 @@ class LanguageTask(Task):
         from zoa_train.data import validation_batches
 
         t = self.recipe.train
-        return validation_batches(self.val_blocks, t.micro_batch_size, self.rank, self.world_size, t.seed, max_batches)
+        return validation_batches(self.val_blocks, t.micro_batch_size, self.rank, self.world_size, max_batches=max_batches)
 
     def metric_sums(self, model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         # Every rank runs the same number of equal batches: the mean of batch means is the mean.
