@@ -116,6 +116,32 @@ def test_a_stop_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_p
     assert all(torch.equal(uninterrupted[k], b[k]) for k in uninterrupted)
 
 
+def test_a_stop_signal_to_the_launcher_reaches_the_ranks_which_checkpoint(tmp_path, cache_dir, uninterrupted):
+    import os
+    import signal
+
+    args = thirty_steps(cache_dir)
+    stopped = tmp_path / "stopped"
+    run = subprocess.Popen([sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), *args],
+                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_step(run, stopped / "metrics.jsonl", 3)
+    ranks = rank_pids(run.pid)
+    os.kill(run.pid, signal.SIGUSR2)  # `kill PID` of what the user started, not of a rank
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 75, stderr[-3000:]
+    assert "stopped on SIGUSR2" in stderr and "--resume auto" in stderr and "Traceback" not in stderr
+    for pid in ranks:  # none left running
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    (checkpoint,) = (stopped / "checkpoints").iterdir()
+    assert 3 <= int(checkpoint.name.removeprefix("step_")) < 30 and str(checkpoint) in stderr
+
+    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), "--resume", "auto", *args)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    b = torch.load(stopped / "checkpoints" / "step_00000030" / "model.pt")
+    assert all(torch.equal(uninterrupted[k], b[k]) for k in uninterrupted)
+
+
 def test_a_killed_rank_restarts_every_rank_from_the_last_checkpoint_and_ends_on_the_same_parameters(tmp_path, cache_dir, uninterrupted):
     import json
     import os

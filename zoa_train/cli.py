@@ -65,7 +65,7 @@ def run_command(
 ) -> None:
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
     from zoa_train.config import check_batch_layout, load_recipe
-    from zoa_train.distributed import RankFailed, cluster_environment, launch_local
+    from zoa_train.distributed import LauncherSignalled, RankFailed, cluster_environment, launch_local
     from zoa_train.train.rundir import RunDirectory
     from zoa_train.train.trainer import CollectiveTimeout, run_rank
 
@@ -94,6 +94,20 @@ def run_command(
 
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+    except LauncherSignalled as e:  # the ranks got the signal too; a stop signal made them checkpoint first
+        import signal
+
+        from zoa_train.train.rundir import RunDirectory
+        from zoa_train.train.trainer import EXIT_PREEMPTED, STOP_SIGNALS
+
+        latest = RunDirectory(run_dir).latest(hashes=False)
+        where = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
+        Console(stderr=True).print(
+            f"stopped on {signal.Signals(e.signum).name}; {where}; continue with: zoa-train run {recipe} --out {run_dir} --resume auto",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(EXIT_PREEMPTED if e.signum in STOP_SIGNALS else 128 + e.signum)
     errors = sorted((r for r in results if r and "user_error" in r), key=lambda r: r.get("another_rank", False))
     if errors:  # the rank that met the problem first, then those it stopped
         fail(errors[0]["user_error"])
@@ -101,6 +115,8 @@ def run_command(
     if stopped:
         from zoa_train.train.trainer import EXIT_PREEMPTED
 
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":  # under a launcher: said once, by rank 0
+            raise typer.Exit(EXIT_PREEMPTED)
         Console(stderr=True).print(
             f"stopped at step {stopped['step']} on a termination signal after a complete checkpoint; "
             f"continue with: zoa-train run {recipe} --out {run_dir} --resume auto",
@@ -422,6 +438,20 @@ def bench_netsim(
 
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
+    except LauncherSignalled as e:  # the ranks got the signal too; a stop signal made them checkpoint first
+        import signal
+
+        from zoa_train.train.rundir import RunDirectory
+        from zoa_train.train.trainer import EXIT_PREEMPTED, STOP_SIGNALS
+
+        latest = RunDirectory(run_dir).latest(hashes=False)
+        where = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
+        Console(stderr=True).print(
+            f"stopped on {signal.Signals(e.signum).name}; {where}; continue with: zoa-train run {recipe} --out {run_dir} --resume auto",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(EXIT_PREEMPTED if e.signum in STOP_SIGNALS else 128 + e.signum)
     if as_json:
         print(json.dumps(result))
     else:

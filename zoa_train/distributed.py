@@ -122,6 +122,7 @@ def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
     a signal such as SIGKILL) torch elastic stops the others (SIGTERM, then SIGKILL after 30 s) and
     starts all `nproc` again, up to `max_restarts` times; the entrypoint sees restart_count() > 0.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
@@ -134,6 +135,10 @@ def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
+        # A stop signal sent to this launcher (a scheduler's warning, kill PID) is passed on to the
+        # ranks, which checkpoint and exit; without this the launcher would die and orphan them.
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+        shutdown_timeout=STOP_GRACE_S,
     )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -141,11 +146,24 @@ def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
         results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         raise RankFailed(_root_cause(e)) from None
+    except SignalException as e:
+        raise LauncherSignalled(e.sigval) from None
     return [results[rank] for rank in range(nproc)]
+
+
+STOP_GRACE_S = 120  # how long the ranks get to checkpoint after the launcher is signalled
 
 
 class RankFailed(RuntimeError):
     """A rank started by launch_local failed; the message is its exception's."""
+
+
+class LauncherSignalled(RuntimeError):
+    """launch_local got a signal; it passed it on to the ranks and waited for them (STOP_GRACE_S)."""
+
+    def __init__(self, signum):
+        super().__init__(signum)
+        self.signum = signum
 
 
 def _root_cause(error) -> str:

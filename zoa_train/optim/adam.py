@@ -2,7 +2,8 @@
 
 Every step: average the flat gradient through the ledgered allreduce, then AdamW (decoupled weight
 decay) with the same bias-correction setting as the others, so comparisons isolate compression.
-The trainer's `adam` uses DDP + torch.optim.AdamW instead; this class is for library users and tests.
+The trainer's `adam` is DDP with torch.optim.AdamW on top, or, without bias correction (which
+torch's AdamW always applies), DDP with this class over a one-rank group for the math.
 """
 
 import torch
@@ -44,8 +45,12 @@ class DataParallelAdam(DataParallelOptimizer):
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             corrected = group["bias_correction"]
             step_size = lr / (1 - beta1 ** (t + 1)) if corrected else lr
-            denom = self._denominator(v, group["eps"], 1 - beta2 ** (t + 1) if corrected else 1.0)
+            root_bc2 = (1 - beta2 ** (t + 1)) ** 0.5 if corrected else 1.0
+            # m / (sqrt(v)/root_bc2 + eps) = root_bc2 * m / (sqrt(v) + eps*root_bc2): two passes for the
+            # denominator, as torch's AdamW. No infinite denominators here: where v == 0 every gradient
+            # so far was zero, so m is zero too and the step is zero anyway.
+            denom = torch.sqrt(v).add_(group["eps"] * root_bc2)
             if group["weight_decay"]:
                 torch._foreach_mul_(flat.params, 1 - lr * group["weight_decay"])
-            torch._foreach_addcdiv_(flat.params, flat.views(m), flat.views(denom), value=-step_size)
+            torch._foreach_addcdiv_(flat.params, flat.views(m), flat.views(denom), value=-step_size * root_bc2)
         return True, True, 1
