@@ -8,13 +8,24 @@
    flat state, the denominators, update clipping, weight decay);
 3. short `zoa-train run`s of recipes/gpt2_tiny.yaml on one rank with each optimizer (NCCL on CUDA), in
    bf16 and fp16 on CUDA, and a run stopped at a checkpoint and resumed that ends on exactly the parameters
-   of an uninterrupted one (checkpoints read to the CPU, device RNG restored through it).
-One GPU cannot validate what needs two ranks on separate devices: the 1-bit allreduce's passes on CUDA
-across ranks, NCCL between ranks, kernel launches per 1-bit call. Prints one line per check; exit 1 on a
-failure.
+   of an uninterrupted one (checkpoints read to the CPU, device RNG restored through it);
+4. two ranks sharing the device (Gloo: it takes CUDA tensors for every collective the project uses and
+   stages them through host memory; NCCL refuses two ranks on one GPU):
+   - the 1-bit allreduce (two parameter groups, a few calls, so the error feedback is exercised) on
+     device buffers equals the same calls on CPU buffers, and both ranks hold the same average;
+   - ZeroOneAdam trains a small model, each rank on its own data, through the variance freeze and
+     local-step periods: after every sync the parameters are bit-identical across ranks;
+   - one 1-bit call of BERT-Large's 398 tensors (`zoa-train bench ops`' sizes; divided by 16 with
+     --quick): torch ops per call (and CUDA kernel launches, from torch.profiler), host wall time and
+     device busy time per call; it fails when the ops or launches exceed what the design allows.
+What one GPU cannot validate: NCCL between ranks and the 1-bit collectives over NCCL (two GPUs), and
+communication speed (Gloo through host memory on one machine says nothing of NCCL over NVLink or a
+network; the two ranks also share the GPU's time). Prints one line per check; exit 1 on a failure.
 """
 
 import argparse
+import math
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -22,11 +33,15 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from zoa_train.comm import pack_signs, unpack_signs  # noqa: E402
+from zoa_train.bench.comm import bert_large_groups, count_ops  # noqa: E402
+from zoa_train.comm import CommLedger, OneBitAllReduce, pack_signs, unpack_signs  # noqa: E402
+from zoa_train.distributed import init_process_group, threads_per_rank  # noqa: E402
 from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam  # noqa: E402
 
 FAILED = []
@@ -106,10 +121,232 @@ def check_runs(device: torch.device, quick: bool) -> None:
         report("resume inside a local-step period ends on the uninterrupted run's parameters", ok)
 
 
+# --- two Gloo ranks on one device -------------------------------------------------------------
+
+RANKS = 2
+ALLREDUCE_CALLS = 4
+# Tensor sizes of two parameter groups: whole scale rows, a tensor ending mid-row, small tensors
+# sharing rows, so the layout has padding in both groups.
+ALLREDUCE_GROUPS = [[3 * 4096, 5000, 37, 100_003], [7, 300, 64, 1]]
+ZERO_ONE_STEPS = 18  # variance updates at steps 0, 1, 3; the freeze at 6; then a sync every 3 steps
+# OneBitAllReduce's default block on accelerators (the whole buffer of most models), passed on the
+# CPU too, so that the CPU run counts the ops a GPU runs (its own default, cache-sized blocks, runs more)
+ACCELERATOR_BLOCK = 1 << 27
+QUICK_SCALE = 16  # --quick divides BERT-Large's tensor sizes by this (the same 398 tensors)
+
+
+def rank_main(rank: int, tmp: str, device_name: str, quick: bool) -> None:
+    """One of RANKS processes: joins the Gloo group, runs the multi-rank checks' parts on this
+    rank and saves what they return for the parent to compare."""
+    device = torch.device(device_name)
+    torch.set_num_threads(threads_per_rank(RANKS))
+    init_process_group("gloo", timeout_s=120, init_method=f"file://{tmp}/store", rank=rank, world_size=RANKS)
+    parts = {
+        "allreduce": lambda: allreduce_on_rank(rank, device),
+        "zero_one": lambda: zero_one_on_rank(rank, device),
+        "ops": lambda: ops_on_rank(device, quick),
+    }
+    results = {}
+    for part, run in parts.items():
+        results[part] = run()
+        torch.save(results, f"{tmp}/rank{rank}.pt")  # after each part, so a later failure keeps it
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def allreduce_on_rank(rank: int, device: torch.device) -> dict[str, list[torch.Tensor]]:
+    """The same inputs through a OneBitAllReduce on `device` and one on the CPU, call by call;
+    each call's outputs (both groups, back to back) on the CPU."""
+    numel = sum(map(sum, ALLREDUCE_GROUPS))
+    comms = [OneBitAllReduce(ALLREDUCE_GROUPS, device=where, ledger=CommLedger(num_params=numel)) for where in (device, torch.device("cpu"))]
+    outputs: dict[str, list[torch.Tensor]] = {"device": [], "cpu": []}
+    g = torch.Generator().manual_seed(100 + rank)
+    for _ in range(ALLREDUCE_CALLS):
+        inputs = []
+        for layout in comms[0].layouts:
+            buffer = torch.zeros(layout.padded)
+            for i, (offset, size) in enumerate(zip(layout.offsets, layout.sizes)):
+                # magnitudes that differ by tensor, as layers' gradients do
+                buffer[offset : offset + size] = torch.randn(size, generator=g) * 10.0 ** (i % 4 - 2)
+            inputs.append(buffer)
+        for comm, key in zip(comms, ("device", "cpu")):
+            out = comm.op([x.to(comm.device, copy=True) for x in inputs])  # op averages in place
+            outputs[key].append(torch.cat(out).cpu())
+    return outputs
+
+
+def zero_one_on_rank(rank: int, device: torch.device) -> list[tuple[bool, int, torch.Tensor]]:
+    """(synced, interval, parameters flattened) after each ZeroOneAdam step of a small model,
+    each rank on its own data."""
+    torch.manual_seed(0)  # the optimizer starts every rank from rank 0's parameters anyway
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).to(device)
+    weights = [p for p in model.parameters() if p.dim() > 1]
+    others = [p for p in model.parameters() if p.dim() <= 1]
+    optimizer = ZeroOneAdam(
+        [{"params": weights, "weight_decay": 0.01}, {"params": others, "weight_decay": 0.0}],
+        lr=1e-2, var_freeze_step=6, var_update_scaler=1, local_steps="fixed", local_step_interval=3,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1000 + rank)
+    records = []
+    for _ in range(ZERO_ONE_STEPS):
+        x, y = torch.randn(32, 16, generator=g).to(device), torch.randn(32, 4, generator=g).to(device)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+        records.append((optimizer.last_step.synced, optimizer.last_step.interval, flat))
+    return records
+
+
+def ops_on_rank(device: torch.device, quick: bool) -> dict:
+    """Ops, CUDA launches and times of one 1-bit call of BERT-Large's tensors on `device`."""
+    scale = QUICK_SCALE if quick else 1
+    groups = [[max(1, size // scale) for size in sizes] for sizes in bert_large_groups()]
+    numel = sum(map(sum, groups))
+    comm = OneBitAllReduce(groups, device=device, block_size=ACCELERATOR_BLOCK, ledger=CommLedger(num_params=numel))
+    buffers = [torch.randn(layout.padded, device=device) for layout in comm.layouts]
+
+    def call():
+        comm.op(buffers)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    call()  # warm-up: allocator, Gloo's pinned staging buffers, the sign tables
+    seconds = []
+    for _ in range(3 if quick else 5):
+        dist.barrier()  # both ranks start together, so neither times the other's lateness
+        start = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - start)
+    blocks = sum(math.ceil(layout.padded / ACCELERATOR_BLOCK) for layout in comm.layouts)
+    result = {"elements": numel, "tensors": sum(map(len, groups)), "groups": len(groups), "blocks": blocks,
+              "ops": sum(count_ops(call).values()), "host_s": statistics.median(seconds)}  # fmt: skip
+    if device.type == "cuda":
+        result.update(cuda_launches(call))
+    return result
+
+
+def cuda_launches(call) -> dict:
+    """Kernel launches (the CUDA runtime's or driver's *LaunchKernel* calls on the host), kernels
+    seen on the device, and the device's busy time (kernels and copies) of one call()."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        call()
+    events = prof.events()
+    on_device = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    return {
+        "launches": sum("LaunchKernel" in e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU),
+        "kernels": sum(not e.name.startswith(("Memcpy", "Memset")) for e in on_device),
+        "device_s": sum(e.time_range.elapsed_us() for e in on_device) / 1e6,
+    }
+
+
+def check_ranks(device: torch.device, quick: bool) -> None:
+    kind = device.type
+    names = [
+        f"1-bit allreduce on {kind} equals the CPU's ({RANKS} Gloo ranks, {ALLREDUCE_CALLS} calls)",
+        f"1-bit allreduce: every rank holds the same average, on {kind} and on the CPU",
+        f"ZeroOneAdam on {kind}, {RANKS} Gloo ranks: parameters bit-identical across ranks after every sync",
+        f"1-bit call of BERT-Large{f' / {QUICK_SCALE}' if quick else ''} on {kind}: ops per call within the design's bound",
+    ]
+    start, error = time.perf_counter(), "no result"
+    with tempfile.TemporaryDirectory() as tmp:
+        try:  # one pair of processes for all four checks: starting one costs seconds on a small CPU
+            mp.spawn(rank_main, args=(tmp, str(device), quick), nprocs=RANKS)
+        except Exception as failure:  # the checks whose part did not finish on every rank fail with its message
+            lines = [line for line in str(failure).splitlines() if line.strip()] or [repr(failure)]
+            error = lines[-1][:300]
+        files = [Path(tmp, f"rank{r}.pt") for r in range(RANKS)]
+        ranks = [torch.load(f) if f.exists() else {} for f in files]
+    print(f"      ({RANKS} ranks started and run in {time.perf_counter() - start:.1f} s)", flush=True)
+    finished = {part for part in ("allreduce", "zero_one", "ops") if all(part in rank for rank in ranks)}
+    if "allreduce" in finished:
+        report_allreduce(names[0], names[1], device, [r["allreduce"] for r in ranks])
+    else:
+        report(names[0], False, error)
+        report(names[1], False, error)
+    if "zero_one" in finished:
+        report_zero_one(names[2], [r["zero_one"] for r in ranks])
+    else:
+        report(names[2], False, error)
+    if "ops" in finished:
+        report_ops(names[3], device, ranks[0]["ops"])
+    else:
+        report(names[3], False, error)
+
+
+def report_allreduce(equal_name: str, ranks_name: str, device: torch.device, ranks: list[dict]) -> None:
+    # Criterion. Bit-equal on the CPU. On CUDA the only reduction in a call is each row's scale
+    # (vector_norm over up to 4,096 elements, then / sqrt(count)): CUDA sums the squares in another
+    # order than the CPU, so a scale may differ in its last bits. Everything else is elementwise
+    # (signs from y >= 0, the server's addcmul per rank in rank order, a table lookup of +-scale),
+    # so where the signs agree an output differs by those last bits only (or by an addcmul fused
+    # on one device and rounded twice on the other): relative 1e-5 covers that. The error feedback
+    # carries those bits into later calls, and a value that lands within rounding of zero may flip
+    # its sign: at most 1 in 100,000 signs may differ, while a packing or wire bug flips whole
+    # bytes or rows.
+    max_relative, flipped, signs = 0.0, 0, 0
+    equal = True
+    for rank in ranks:
+        for on_device, on_cpu in zip(rank["device"], rank["cpu"]):
+            equal = equal and torch.equal(on_device, on_cpu)
+            same_sign = on_device.sign() == on_cpu.sign()
+            flipped += int((~same_sign).sum())
+            signs += on_cpu.numel()
+            difference = (on_device - on_cpu)[same_sign].abs() / on_cpu[same_sign].abs().clamp(min=1e-30)
+            max_relative = max(max_relative, float(difference.max()) if difference.numel() else 0.0)
+    if device.type == "cpu":
+        report(equal_name, equal, "bit-equal" if equal else f"max relative difference {max_relative:.2e}, {flipped} signs differ")
+    else:
+        ok = max_relative <= 1e-5 and flipped <= signs * 1e-5
+        report(equal_name, ok, f"{'bit-equal' if equal else 'not bit-equal'}, max relative difference {max_relative:.2e}, "
+               f"{flipped} of {signs:,} signs differ")  # fmt: skip
+    same = all(torch.equal(a, b) for key in ("device", "cpu") for a, b in zip(ranks[0][key], ranks[1][key]))
+    report(ranks_name, same)
+
+
+def report_zero_one(name: str, ranks: list[list]) -> None:
+    steps = list(zip(*ranks))  # per step: each rank's (synced, interval, parameters)
+    schedules_agree = all(len({(synced, interval) for synced, interval, _ in step}) == 1 for step in steps)
+    syncs = [step for step in steps if step[0][0]]
+    identical = all(torch.equal(step[0][2], other[2]) for step in syncs for other in step[1:])
+    after_local = sum(step[0][1] > 1 for step in syncs)
+    # each rank has its own data, so local steps must leave the ranks apart (else nothing was tested)
+    apart = any(not torch.equal(step[0][2], step[1][2]) for step in steps if not step[0][0])
+    ok = schedules_agree and identical and after_local >= 3 and apart
+    report(name, ok, f"{len(syncs)} syncs of {len(steps)} steps, {after_local} after local steps; "
+           f"ranks {'apart' if apart else 'NOT apart'} during local steps{'' if schedules_agree else '; schedules differ'}")  # fmt: skip
+
+
+def report_ops(name: str, device: torch.device, ops: dict) -> None:
+    # The design (zoa_train/comm/onebit.py; docs/results.md, "Ops per 1-bit call"): per call 2
+    # collectives, 4 ops per parameter group and about 34 + n ops per block (worker 12, server 17
+    # + one per rank, unpack 5), whatever the number of tensors or scale rows. BERT-Large has 2
+    # groups and 4 blocks of 128M elements (2 when divided by 16): 154 (82) ops by that count, 144
+    # (78) measured on the CPU. The bound allows 25% more, so an op added per block fits and one
+    # per tensor or row (398 tensors, 82,000 rows) does not. On CUDA most ops launch one kernel and
+    # a few may launch two (a reduction written into a strided view, a copy that casts): launches
+    # may be up to twice the bound (an estimate until the first GPU run measures it).
+    bound = round(1.25 * (2 + 4 * ops["groups"] + (34 + RANKS) * ops["blocks"]))
+    detail = f"{ops['ops']} ops per call (bound {bound}; {ops['tensors']} tensors, {ops['elements']:,} elements, {ops['blocks']} blocks)"
+    ok = ops["ops"] <= bound
+    if device.type == "cuda":
+        # launches as the host's runtime calls where the profiler records them, else as the kernels
+        # it saw on the device; none at all means the profiler saw nothing, not a free call
+        launches, seen_as = (ops["launches"], "cudaLaunchKernel-like runtime calls") if ops["launches"] else (ops["kernels"], "kernels on the device")
+        ok = ok and 0 < launches <= 2 * bound
+        detail += f", {launches} kernel launches (counted as {seen_as}; {ops['kernels']} kernels on the device)"
+        detail += f", host {ops['host_s'] * 1e3:.1f} ms vs device {ops['device_s'] * 1e3:.1f} ms per call"
+    else:
+        detail += f", host {ops['host_s'] * 1e3:.1f} ms per call (the CPU is the device)"
+    report(name, ok, detail)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
-    parser.add_argument("--quick", action="store_true", help="one optimizer in the run checks")
+    parser.add_argument("--quick", action="store_true", help="one optimizer in the run checks, BERT-Large / 16 in the ops check")
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -119,6 +356,7 @@ def main() -> None:
     check_packing(device)
     check_optimizers(device)
     check_runs(device, args.quick)
+    check_ranks(device, args.quick)
     print(f"{len(FAILED)} failed" if FAILED else "all passed")
     sys.exit(1 if FAILED else 0)
 
