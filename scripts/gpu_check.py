@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from zoa_train.bench.comm import bert_large_groups, count_ops  # noqa: E402
 from zoa_train.comm import CommLedger, OneBitAllReduce, pack_signs, unpack_signs  # noqa: E402
+from zoa_train.comm.onebit import DEVICE_BLOCK  # noqa: E402
 from zoa_train.distributed import init_process_group, threads_per_rank  # noqa: E402
 from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam  # noqa: E402
 
@@ -129,9 +130,6 @@ ALLREDUCE_CALLS = 4
 # sharing rows, so the layout has padding in both groups.
 ALLREDUCE_GROUPS = [[3 * 4096, 5000, 37, 100_003], [7, 300, 64, 1]]
 ZERO_ONE_STEPS = 18  # variance updates at steps 0, 1, 3; the freeze at 6; then a sync every 3 steps
-# OneBitAllReduce's default block on accelerators (the whole buffer of most models), passed on the
-# CPU too, so that the CPU run counts the ops a GPU runs (its own default, cache-sized blocks, runs more)
-ACCELERATOR_BLOCK = 1 << 27
 QUICK_SCALE = 16  # --quick divides BERT-Large's tensor sizes by this (the same 398 tensors)
 
 
@@ -203,7 +201,8 @@ def ops_on_rank(device: torch.device, quick: bool) -> dict:
     scale = QUICK_SCALE if quick else 1
     groups = [[max(1, size // scale) for size in sizes] for sizes in bert_large_groups()]
     numel = sum(map(sum, groups))
-    comm = OneBitAllReduce(groups, device=device, block_size=ACCELERATOR_BLOCK, ledger=CommLedger(num_params=numel))
+    # The accelerators' block also on the CPU, so the CPU counts the ops a GPU runs (its own blocks are cache-sized).
+    comm = OneBitAllReduce(groups, device=device, block_size=DEVICE_BLOCK, ledger=CommLedger(num_params=numel))
     buffers = [torch.randn(layout.padded, device=device) for layout in comm.layouts]
 
     def call():
@@ -218,7 +217,7 @@ def ops_on_rank(device: torch.device, quick: bool) -> dict:
         start = time.perf_counter()
         call()
         seconds.append(time.perf_counter() - start)
-    blocks = sum(math.ceil(layout.padded / ACCELERATOR_BLOCK) for layout in comm.layouts)
+    blocks = sum(math.ceil(layout.padded / DEVICE_BLOCK) for layout in comm.layouts)
     result = {"elements": numel, "tensors": sum(map(len, groups)), "groups": len(groups), "blocks": blocks,
               "ops": sum(count_ops(call).values()), "host_s": statistics.median(seconds)}  # fmt: skip
     if device.type == "cuda":

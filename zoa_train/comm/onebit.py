@@ -48,7 +48,7 @@ _ROW_ALIGN = 32
 _SCALE_BYTES = 4
 # Elements per block on accelerators: the whole buffer of most models (few, large kernels), while
 # the scratch (about 8.5 bytes per element of a block) stays near 1 GiB.
-_DEVICE_BLOCK = 1 << 27
+DEVICE_BLOCK = 1 << 27
 # torch 2.14 documents all_gather_single and deprecates all_gather_into_tensor (a FutureWarning on
 # every call); older releases have only the latter.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -133,10 +133,10 @@ def _block_rows(layout: OneBitLayout, device: torch.device, block_size: int | No
     """Rows of each chunk that one block of a pass holds: a block is those rows of all n chunks.
 
     Default on CPU: at most BLOCK elements (in cache) and at most one chunk's worth; on accelerators
-    up to _DEVICE_BLOCK elements, i.e. the whole buffer of most models: a pass is then a few
+    up to DEVICE_BLOCK elements, i.e. the whole buffer of most models: a pass is then a few
     kernels whatever the number of rows or ranks."""
     if block_size is None:
-        block_size = min(BLOCK, layout.chunk) if device.type == "cpu" else _DEVICE_BLOCK
+        block_size = min(BLOCK, layout.chunk) if device.type == "cpu" else DEVICE_BLOCK
     n = layout.padded // layout.chunk
     return min(layout.rows, max(1, block_size // (n * layout.row)))
 
