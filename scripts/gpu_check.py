@@ -17,7 +17,8 @@
      local-step periods: after every sync the parameters are bit-identical across ranks;
    - one 1-bit call of BERT-Large's 398 tensors (`zoa-train bench ops`' sizes; divided by 16 with
      --quick): torch ops per call (and CUDA kernel launches, from torch.profiler), host wall time and
-     device busy time per call; it fails when the ops or launches exceed what the design allows.
+     device busy time per call; it fails when the ops or launches exceed what the design allows;
+5. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
 What one GPU cannot validate: NCCL between ranks and the 1-bit collectives over NCCL (two GPUs), and
 communication speed (Gloo through host memory on one machine says nothing of NCCL over NVLink or a
 network; the two ranks also share the GPU's time). Prints one line per check; exit 1 on a failure.
@@ -342,6 +343,18 @@ def report_ops(name: str, device: torch.device, ops: dict) -> None:
     report(name, ok, detail)
 
 
+def check_step_cost(device: torch.device) -> None:
+    """`zoa-train bench optim` on the GPU: 0/1 Adam's local step against AdamW(fused) (target 1.1x).
+    Run on CUDA only: on a CPU it is `bench optim`'s own figure, and a timing is no test."""
+    from zoa_train.bench.optim import run_optimizer_bench
+
+    result = run_optimizer_bench(25.0, repeats=20, device=str(device))
+    times = {row["name"]: row["step_s"] for row in result["rows"]}
+    detail = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in times.items())
+    report(f"0/1 Adam local step <= {result['target_local_vs_adamw']}x AdamW(fused) on {device.type}: {result['local_vs_adamw']:.2f}x",
+           result["target_met"], detail)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
@@ -356,6 +369,8 @@ def main() -> None:
     check_optimizers(device)
     check_runs(device, args.quick)
     check_ranks(device, args.quick)
+    if device.type == "cuda":
+        check_step_cost(device)
     print(f"{len(FAILED)} failed" if FAILED else "all passed")
     sys.exit(1 if FAILED else 0)
 

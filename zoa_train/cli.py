@@ -465,14 +465,23 @@ def bench_optim(
     params_millions: Annotated[float, typer.Option(help="Model size in millions of parameters. [default: 25]")] = 25.0,
     repeats: Annotated[int, typer.Option(help="Timed steps after warm-up; the median is reported. [default: 10]")] = 10,
     threads: Annotated[int, typer.Option(help="torch threads. [default: all cores]")] = 0,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N. [default: cpu]")] = "cpu",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Optimizer step cost against torch.optim.AdamW(fused), the fastest AdamW, and optimizer state bytes per parameter."""
+    import torch
+
     from zoa_train.bench.optim import format_optimizer_bench, run_optimizer_bench
 
     if params_millions <= 0 or repeats < 1 or threads < 0:
         fail("--params-millions must be positive, --repeats at least 1 and --threads >= 0.")
-    result = run_optimizer_bench(params_millions, repeats, threads or None)
+    try:
+        where = torch.device(device)
+    except RuntimeError:
+        fail(f"--device must be cpu, cuda or cuda:N, not {device!r}.")
+    if where.type not in ("cpu", "cuda") or (where.type == "cuda" and not torch.cuda.is_available()):
+        fail(f"--device {device}: this machine has no such device (CUDA available: {torch.cuda.is_available()}).")
+    result = run_optimizer_bench(params_millions, repeats, threads or None, device)
     if as_json:
         print(json.dumps(result, default=str))
     else:

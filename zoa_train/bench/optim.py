@@ -1,7 +1,7 @@
 """Optimizer step cost and optimizer memory: torch AdamW against our three optimizers, same run.
 
-Everything runs in this one process on the CPU with world size 1 (torch.distributed is not
-initialised), so no step communicates: what is timed is the optimizer's own arithmetic and memory
+Everything runs in this one process, on the CPU or on `device` (e.g. cuda), with world size 1
+(torch.distributed is not initialised), so no step communicates: what is timed is the optimizer's own arithmetic and memory
 traffic, the part that 0/1 Adam's local steps must keep close to Adam's for the saved
 communication to turn into faster training.
 
@@ -13,9 +13,10 @@ the optimizer step is timed. All optimizers use the same lr, betas, eps and deco
 (0.01, so the weight-decay pass is paid by all of them).
 
 1. Step time, the median of `repeats` timed steps after warm-up; the optimizers take turns, step
-   by step, so that drift of the machine affects them alike. Each is reported as seconds per step
-   and as a ratio to torch.optim.AdamW(fused=True) of the same run, the fastest AdamW a user can run
-   on CPU and GPU. The rows:
+   by step, so that drift of the machine affects them alike (on CUDA each step is timed up to a
+   synchronisation). Each is reported as seconds per step and as a ratio to
+   torch.optim.AdamW(fused=True) of the same run, the fastest AdamW a user can run on CPU and GPU.
+   The rows:
    - AdamW fused: the baseline. AdamW foreach: the multi-tensor path, for reference.
    - ZeroOneAdam local: var_freeze_step=1, local_steps="fixed", local_step_interval=10**9.
      Step 0 is the one variance step (it also freezes v into its denominator); every later step
@@ -113,7 +114,7 @@ def onebit_allreduce_bytes(numel: int, world_size: int) -> dict[str, int]:
     return {name: size * dtype.itemsize for name, (size, dtype) in onebit_buffers(numel, world_size).items()}
 
 
-def run_optimizer_bench(params_millions: float = 25.0, repeats: int = 10, threads: int | None = None) -> dict:
+def run_optimizer_bench(params_millions: float = 25.0, repeats: int = 10, threads: int | None = None, device: str = "cpu") -> dict:
     """Time one step of each optimizer and count its memory; returns a dict (see the module doc)."""
     if repeats < 1:
         raise ValueError(f"repeats must be at least 1, got {repeats}")
@@ -121,14 +122,15 @@ def run_optimizer_bench(params_millions: float = 25.0, repeats: int = 10, thread
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        return _run(params_millions, repeats, threads)
+        return _run(params_millions, repeats, threads, torch.device(device))
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _run(params_millions: float, repeats: int, threads: int) -> dict:
+def _run(params_millions: float, repeats: int, threads: int, device: torch.device) -> dict:
     shapes, model = model_shapes(params_millions)
-    fresh_params = _param_maker(shapes)
+    fresh_params = _param_maker(shapes, device)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     numel = sum(math.prod(shape) for _, shape in shapes)
 
     hyper = dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
@@ -150,8 +152,10 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
     times: dict[str, list[float]] = {name: [] for name in optimizers}
     for _ in range(repeats):
         for name, opt in optimizers.items():
+            synchronize()
             start = time.perf_counter()
             opt.step()
+            synchronize()
             times[name].append(time.perf_counter() - start)
     _check_phases(optimizers)
 
@@ -180,6 +184,7 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
     measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for key in STATE_KEYS + WORKSPACE_KEYS}
     analytic = [_analytic_row(numel, n) for n in ANALYTIC_WORLD_SIZES]
     return {
+        "device": str(device),
         "threads": threads,
         "repeats": repeats,
         "world_size": 1,
@@ -195,11 +200,11 @@ def _run(params_millions: float, repeats: int, threads: int) -> dict:
     }
 
 
-def _param_maker(shapes: list[tuple[str, tuple[int, ...]]]):
+def _param_maker(shapes: list[tuple[str, tuple[int, ...]]], device: torch.device = torch.device("cpu")):
     """A function returning fresh parameters (same values each call) whose .grad is already set."""
     g = torch.Generator().manual_seed(0)
-    initial = [torch.randn(shape, generator=g) * 0.02 for _, shape in shapes]
-    grads = [torch.randn(shape, generator=g) * 1e-3 for _, shape in shapes]
+    initial = [(torch.randn(shape, generator=g) * 0.02).to(device) for _, shape in shapes]
+    grads = [(torch.randn(shape, generator=g) * 1e-3).to(device) for _, shape in shapes]
 
     def fresh_params() -> list[torch.nn.Parameter]:
         params = [torch.nn.Parameter(t.clone()) for t in initial]
@@ -287,7 +292,7 @@ def format_optimizer_bench(result: dict) -> Table:
     model = result["model"]
     measured = Table(
         title=(
-            f"Optimizer step on CPU, {result['numel'] / 1e6:.2f}M params (GPT-like: d={model['d_model']}, "
+            f"Optimizer step on {result['device']}, {result['numel'] / 1e6:.2f}M params (GPT-like: d={model['d_model']}, "
             f"{model['layers']} blocks, vocab {model['vocab']}, {model['tensors']} tensors), "
             f"{result['threads']} threads, median of {result['repeats']}, world size 1"
         )
