@@ -87,54 +87,50 @@ def wait_for_step(run: subprocess.Popen, metrics: Path, step: int) -> int:
         time.sleep(0.05)
 
 
-def test_a_stop_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_path, cache_dir, uninterrupted):
+def signal_the_ranks(run: subprocess.Popen) -> None:
+    """What a scheduler's warning does: one rank gets it first (the store tells the other), then
+    both again (the batch shell and the launcher may both forward it): harmless."""
     import os
     import signal
     import time
 
-    args = thirty_steps(cache_dir)
-    stopped = tmp_path / "stopped"
-    run = subprocess.Popen([sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), *args],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    wait_for_step(run, stopped / "metrics.jsonl", 3)
     ranks = rank_pids(run.pid)
     assert len(ranks) == 2
-    os.kill(ranks[1], signal.SIGUSR2)  # one rank only: the store tells the other
+    os.kill(ranks[1], signal.SIGUSR2)
     time.sleep(0.05)
-    for pid, again in ((ranks[1], signal.SIGTERM), (ranks[0], signal.SIGUSR2)):  # delivered twice (batch shell and launcher): harmless
+    for pid, again in ((ranks[1], signal.SIGTERM), (ranks[0], signal.SIGUSR2)):
         os.kill(pid, again)
-    _, stderr = run.communicate(timeout=300)
-    assert run.returncode == 75, stderr[-3000:]
-    assert "on a termination signal" in stderr and "--resume auto" in stderr and "Traceback" not in stderr
-    (checkpoint,) = (stopped / "checkpoints").iterdir()
-    step = int(checkpoint.name.removeprefix("step_"))
-    assert 3 <= step < 30
-
-    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), "--resume", "auto", *args)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    b = torch.load(stopped / "checkpoints" / "step_00000030" / "model.pt")
-    assert all(torch.equal(uninterrupted[k], b[k]) for k in uninterrupted)
 
 
-def test_a_stop_signal_to_the_launcher_reaches_the_ranks_which_checkpoint(tmp_path, cache_dir, uninterrupted):
+def signal_the_launcher(run: subprocess.Popen) -> None:
+    """`kill -USR2 PID` of what the user started, not of a rank: it passes the signal on."""
     import os
     import signal
 
+    os.kill(run.pid, signal.SIGUSR2)
+
+
+@pytest.mark.parametrize("send", [signal_the_ranks, signal_the_launcher], ids=["ranks", "launcher"])
+def test_a_stop_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_path, cache_dir, uninterrupted, send):
+    import os
+
     args = thirty_steps(cache_dir)
     stopped = tmp_path / "stopped"
     run = subprocess.Popen([sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), *args],
                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_step(run, stopped / "metrics.jsonl", 3)
     ranks = rank_pids(run.pid)
-    os.kill(run.pid, signal.SIGUSR2)  # `kill PID` of what the user started, not of a rank
+    send(run)
     _, stderr = run.communicate(timeout=300)
     assert run.returncode == 75, stderr[-3000:]
-    assert "stopped on SIGUSR2" in stderr and "--resume auto" in stderr and "Traceback" not in stderr
+    (checkpoint,) = (stopped / "checkpoints").iterdir()
+    step = int(checkpoint.name.removeprefix("step_"))
+    assert 3 <= step < 30
+    said = f"stopped at step {step}" if send is signal_the_ranks else f"stopped on SIGUSR2; the latest complete checkpoint is {checkpoint}"
+    assert said in stderr and "--resume auto" in stderr and "Traceback" not in stderr, stderr[-3000:]
     for pid in ranks:  # none left running
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    (checkpoint,) = (stopped / "checkpoints").iterdir()
-    assert 3 <= int(checkpoint.name.removeprefix("step_")) < 30 and str(checkpoint) in stderr
 
     resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), "--resume", "auto", *args)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -438,20 +438,6 @@ def bench_netsim(
 
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
         raise typer.Exit(1)
-    except LauncherSignalled as e:  # the ranks got the signal too; a stop signal made them checkpoint first
-        import signal
-
-        from zoa_train.train.rundir import RunDirectory
-        from zoa_train.train.trainer import EXIT_PREEMPTED, STOP_SIGNALS
-
-        latest = RunDirectory(run_dir).latest(hashes=False)
-        where = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
-        Console(stderr=True).print(
-            f"stopped on {signal.Signals(e.signum).name}; {where}; continue with: zoa-train run {recipe} --out {run_dir} --resume auto",
-            highlight=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(EXIT_PREEMPTED if e.signum in STOP_SIGNALS else 128 + e.signum)
     if as_json:
         print(json.dumps(result))
     else:
