@@ -51,7 +51,7 @@ def x0():
 
 
 def _train_quadratic(rank, world_size, name, kwargs, steps, exact, lr_kwargs):
-    lr = LRSchedule(**lr_kwargs)
+    lr = lr_kwargs if callable(lr_kwargs) else LRSchedule(**lr_kwargs)
     x = torch.nn.Parameter(x0())
     cls = {"zero_one": ZeroOneAdam, "onebit": OneBitAdam, "adam": DataParallelAdam}[name]
     opt = cls([x], lr=lr(0), **kwargs)
@@ -89,6 +89,24 @@ def test_exact_compressor_zero_one_adam_follows_algorithm_1_through_freeze_and_l
     xs, ms = zero_one_adam_reference(x0(), quadratic_grad, 2, 50, lr, ZeroOneSchedule(**knobs), weight_decay=0.1)
     records = ranks[0][2]
     assert any(not rec.synced for rec in records) and any(rec.interval == 4 for rec in records)
+    for r in range(2):
+        torch.testing.assert_close(ranks[r][0], xs[r], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ranks[r][1], ms[r], rtol=1e-5, atol=1e-5)
+
+
+def restarting_lr(t: int) -> float:
+    """Halved every 4 steps and back to the top at step 24 (a warm restart): with local_steps "lr"
+    the sync interval then drops from 8 to 1 in the middle of a local-step period."""
+    return 0.02 * 0.5 ** ((t % 24) // 4)
+
+
+def test_exact_compressor_zero_one_adam_follows_algorithm_1_when_the_interval_shrinks():
+    knobs = dict(var_freeze_step=8, var_update_scaler=2, local_steps="lr", local_step_clip=8)
+    ranks = run_ranks(_train_quadratic, 2, "zero_one", dict(knobs, weight_decay=0.1, update_clip=None), 40, True, restarting_lr)
+    xs, ms = zero_one_adam_reference(x0(), quadratic_grad, 2, 40, restarting_lr, ZeroOneSchedule(**knobs), weight_decay=0.1)
+    syncs = [t for t, rec in enumerate(ranks[0][2]) if rec.synced]
+    # a sync that ends more local steps than its own interval (the displacement of all must count)
+    assert any(b - a > ranks[0][2][b].interval for a, b in zip(syncs, syncs[1:]))
     for r in range(2):
         torch.testing.assert_close(ranks[r][0], xs[r], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(ranks[r][1], ms[r], rtol=1e-5, atol=1e-5)

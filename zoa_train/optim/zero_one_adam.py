@@ -118,6 +118,7 @@ class ZeroOneAdam(DataParallelOptimizer):
         return VARIANCE if variance_updated else super()._kind(synced, variance_updated)
 
     def _step(self) -> tuple[bool, bool, int]:
+        local_steps_taken = self.schedule.steps_since_sync > 0  # (the interval may have changed since)
         decision = self.schedule.advance(self._lead_lr())
         t = decision.step
         for index, (group, flat, buffers, scalars) in enumerate(zip(self.param_groups, self._flat, self._buffers, self._scalars)):
@@ -154,7 +155,7 @@ class ZeroOneAdam(DataParallelOptimizer):
             else:  # a local step: Adam's step with the frozen d; the sync applies the weight decay
                 torch._foreach_addcdiv_(params, flat.views(numerator), flat.views(denom), value=-step_size)
         if decision.sync and not decision.variance_update:
-            self._sync(local_steps_taken=decision.interval > 1)
+            self._sync(local_steps_taken)
         return decision.sync, decision.variance_update, decision.interval
 
     def _clipped(self, index: int, flat, m: torch.Tensor, denom: torch.Tensor, limit: float) -> torch.Tensor:
