@@ -192,7 +192,7 @@ def test_a_warned_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_on
     assert [h["event"] for h in history] == ["submitted", "start", "requeue", "start", "end"]
     stopped = int(log.split("stopped at step ")[1].split()[0])
     assert 20 <= stopped < STEPS and "requeueing job" in log
-    assert log.count("stopped at step ") == 1  # said once, by rank 0, not by every rank torchrun started
+    assert log.count("continue with: zoa-train run") == 1  # said once, by rank 0, not by every rank torchrun started
     assert (run_dir / "checkpoints" / f"step_{stopped:08d}" / "COMPLETE").is_file()
     # The requeued job continued from that checkpoint: the rows logged before it are kept as they were
     # (a run from step 0 would rewrite them with other wall times), none is duplicated.
