@@ -97,7 +97,6 @@ def run_command(
     except LauncherSignalled as e:  # the ranks got the signal too; a stop signal made them checkpoint first
         import signal
 
-        from zoa_train.train.rundir import RunDirectory
         from zoa_train.train.trainer import EXIT_PREEMPTED, STOP_SIGNALS
 
         latest = RunDirectory(run_dir).latest(hashes=False)

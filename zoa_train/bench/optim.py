@@ -1,9 +1,9 @@
 """Optimizer step cost and optimizer memory: torch AdamW against our three optimizers, same run.
 
 Everything runs in this one process, on the CPU or on `device` (e.g. cuda), with world size 1
-(torch.distributed is not initialised), so no step communicates: what is timed is the optimizer's own arithmetic and memory
-traffic, the part that 0/1 Adam's local steps must keep close to Adam's for the saved
-communication to turn into faster training.
+(torch.distributed is not initialised), so no step communicates: what is timed is the optimizer's
+own arithmetic and memory traffic, the part that 0/1 Adam's local steps must keep close to Adam's
+for the saved communication to turn into faster training.
 
 The model is a set of parameter shapes like a small GPT (see `model_shapes`): token and position
 embeddings, `layers` blocks of (layer norm, qkv, attention projection, layer norm, 4x MLP) with
