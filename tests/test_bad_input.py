@@ -145,6 +145,12 @@ def test_bad_input_exits_2_with_one_sentence(tmp_path, cache_dir, capsys, case):
         assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("device,message", [("tpu", "--device must be cpu, cuda or cuda:N, not 'tpu'"),
+                                            ("meta", "--device meta: this machine has no such device")])
+def test_bench_optim_refuses_a_device_it_cannot_time(capsys, device, message):
+    check_one_sentence(zoa_here(capsys, "bench", "optim", "--device", device), message)
+
+
 def test_a_checkpoint_of_another_model_is_refused_and_the_run_is_left_alone(finished_run, cache_dir):
     # The same optimizer and run directory, one layer more: --resume auto must not touch what is there.
     # (A checkpoint of another optimizer: tests/test_run.py, test_gpt2_tiny_runs_end_to_end_and_resumes_exactly.)
