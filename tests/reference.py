@@ -3,6 +3,9 @@
 import math
 
 import torch
+import torch.distributed as dist
+
+from zoa_train.comm import onebit_layout
 
 
 def sign(x: torch.Tensor) -> torch.Tensor:
@@ -81,3 +84,40 @@ def zero_one_adam_reference(x0, grad_fn, world_size, steps, lr_fn, schedule, bet
         else:
             xs = [xs[r] - lr * ms[r] / denom for r in range(n)]  # the period's weight decay comes at its sync
     return xs, ms
+
+
+class ExactAllReduce:
+    """A collective (zoa_train.comm.protocol) that averages exactly, in fp32, with the tensors back to
+    back: passed as an optimizer's `collective`, it leaves the optimizer's own algebra to be checked
+    against Algorithm 1 without compression noise."""
+
+    def __init__(self, sizes, *, group=None, device=None, ledger=None):
+        self.group = group
+        self.layouts = [onebit_layout(s, 1) for s in sizes]
+        self.accumulators = [torch.zeros(l.padded, device=device) for l in self.layouts]
+
+    def exchange(self, out):
+        for o, acc in zip(out, self.accumulators):
+            o.copy_(acc)
+            dist.all_reduce(o, group=self.group)
+            o.div_(dist.get_world_size(self.group))
+            acc.zero_()
+        return out
+
+    def op(self, tensors):
+        for t, acc in zip(tensors, self.accumulators):
+            acc.copy_(t)
+        return self.exchange(tensors)
+
+    def state_dicts(self):
+        return [{"accumulator": acc.clone()} for acc in self.accumulators]
+
+    def load_state_dicts(self, states):
+        for acc, state in zip(self.accumulators, states):
+            acc.copy_(state["accumulator"])
+
+    def layout_state(self):
+        return [{"offsets": list(l.offsets), "padded": l.padded} for l in self.layouts]
+
+    def relayout(self, flat, index, saved):
+        return flat.clone()  # back to back at any world size

@@ -163,7 +163,7 @@ def test_a_checkpoint_of_another_model_is_refused_and_the_run_is_left_alone(fini
 
 # ---- unsupported combinations with the 1-bit optimizers (issue 12, item 8) ----------------------
 # No recipe makes sparse gradients or freezes parameters, so these go through the library interface
-# the trainer uses (build_optimizer), on one process; inside a run the UserError is exit 2 like any other.
+# the trainer uses (registry.create), on one process; inside a run the UserError is exit 2 like any other.
 
 
 def small_model(sparse: bool = False):
@@ -186,9 +186,9 @@ def build(model, name: str):
     import torch
 
     from zoa_train.config import recipe_from_dict
-    from zoa_train.train.optimizers import build_optimizer
+    from zoa_train.optim import registry
 
-    return build_optimizer(recipe_from_dict({"optimizer": {"name": name}}), model, torch.device("cpu"), 1)
+    return registry.create(recipe_from_dict({"optimizer": {"name": name}}).optimizer, model, torch.device("cpu"), 1)
 
 
 @pytest.mark.parametrize("name", ["onebit_adam", "zero_one_adam"])

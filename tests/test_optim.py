@@ -6,31 +6,10 @@ import torch
 import torch.distributed as dist
 
 from distributed_harness import run_ranks
-from reference import zero_one_adam_reference
+from reference import ExactAllReduce, zero_one_adam_reference
 from zoa_train.optim import DataParallelAdam, LRSchedule, OneBitAdam, ZeroOneAdam, ZeroOneSchedule
 
 DIM = 40
-
-
-class ExactAllReduce:
-    """Stands in for OneBitAllReduce in tests: the exact average, same interface."""
-
-    def __init__(self, numel):
-        self._acc = torch.zeros(numel)
-
-    @property
-    def accumulator(self):
-        return self._acc
-
-    def exchange(self, out, addend=None):
-        out.copy_(self._acc if addend is None else self._acc + addend)
-        dist.all_reduce(out)
-        out.div_(dist.get_world_size())
-        self._acc.zero_()
-        return out
-
-    def op(self, tensor):
-        return self.exchange(tensor.view(-1), addend=tensor.view(-1).clone())
 
 
 def quadratic_problem(rank: int, step: int):
@@ -54,9 +33,7 @@ def _train_quadratic(rank, world_size, name, kwargs, steps, exact, lr_kwargs):
     lr = lr_kwargs if callable(lr_kwargs) else LRSchedule(**lr_kwargs)
     x = torch.nn.Parameter(x0())
     cls = {"zero_one": ZeroOneAdam, "onebit": OneBitAdam, "adam": DataParallelAdam}[name]
-    opt = cls([x], lr=lr(0), **kwargs)
-    if exact:
-        opt._comms = [ExactAllReduce(opt._flat[0].size)]
+    opt = cls([x], lr=lr(0), **kwargs, **({"collective": ExactAllReduce} if exact else {}))
     records = []
     for t in range(steps):
         for group in opt.param_groups:
@@ -327,7 +304,7 @@ def test_zero_one_adam_converges_like_adam_on_digits_with_under_one_bit():
 
 
 def _batchnorm_statistics_over_steps(rank, world_size):
-    from zoa_train.train.optimizers import batchnorm_statistics
+    from zoa_train.optim.training import batchnorm_statistics
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 1))
@@ -362,15 +339,15 @@ def test_batchnorm_statistics_are_averaged_at_every_sync():
 
 def test_a_recipe_without_optimizer_keys_gets_the_library_defaults():
     from zoa_train.config import recipe_from_dict
-    from zoa_train.train.optimizers import build_optimizer
+    from zoa_train.optim import registry
 
     model = torch.nn.Linear(4, 4)
-    built = build_optimizer(recipe_from_dict({}), model, torch.device("cpu"), 1).optimizer
+    built = registry.create(recipe_from_dict({}).optimizer, model, torch.device("cpu"), 1).optimizer
     library = ZeroOneAdam(model.parameters())
     assert built.schedule.state_dict() == library.schedule.state_dict()
     assert built.param_groups[0]["bias_correction"] == library.defaults["bias_correction"] is False
     assert built.param_groups[0]["update_clip"] == library.defaults["update_clip"]
-    onebit = build_optimizer(recipe_from_dict({"optimizer": {"name": "onebit_adam"}}), model, torch.device("cpu"), 1).optimizer
+    onebit = registry.create(recipe_from_dict({"optimizer": {"name": "onebit_adam"}}).optimizer, model, torch.device("cpu"), 1).optimizer
     assert onebit.freeze_step == OneBitAdam(model.parameters()).freeze_step
 
 
@@ -378,12 +355,12 @@ def _adam_baseline_step(rank, world_size, bias_correction):
     from torch.nn.parallel import DistributedDataParallel
 
     from zoa_train.config import recipe_from_dict
-    from zoa_train.train.optimizers import build_optimizer
+    from zoa_train.optim import registry
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 2)
     recipe = recipe_from_dict({"optimizer": {"name": "adam", "bias_correction": bias_correction, "lr": 0.1}})
-    opt = build_optimizer(recipe, model, torch.device("cpu"), world_size)
+    opt = registry.create(recipe.optimizer, model, torch.device("cpu"), world_size)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))  # each rank its own batch
     opt.module(x).pow(2).mean().backward()
     grad = model.weight.grad.clone()
@@ -404,7 +381,7 @@ def test_adam_is_ddp_with_either_bias_correction(bias_correction):
 def _fp16_overflow_checks(rank, world_size):
     import torch.distributed as dist
 
-    from zoa_train.train.precision import LossScaler
+    from zoa_train.train.loss_scaling import LossScaler
 
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4)

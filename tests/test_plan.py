@@ -13,17 +13,9 @@ from rich.console import Console
 from zoa_train.config import load_recipe
 from zoa_train.errors import UserError
 from zoa_train.optim import LRSchedule, ZeroOneAdam
-from zoa_train.optim.plan import (
-    FULL_PRECISION,
-    LOCAL,
-    ONE_BIT,
-    format_plan,
-    onebit_call_bytes,
-    parse_bandwidth,
-    parse_latency,
-    plan,
-    zero_one_step_kinds,
-)
+from zoa_train.optim.plan import format_plan, onebit_call_bytes, parse_bandwidth, parse_latency, plan
+from zoa_train.optim.registry import zero_one_step_kinds
+from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
 
 # The authors' BERT-Large seq-128 recipe (paper, section 5; recipes/bert_large.yaml).
 BERT_STEPS = 152_500
@@ -110,7 +102,7 @@ def test_bert_step_kinds_respect_clip_and_freeze():
         BERT_STEPS, BERT_LR, var_freeze_step=12_500, var_update_scaler=16, local_steps="lr", local_step_clip=16
     ):
         intervals.append(decision.interval)
-        if kind == FULL_PRECISION:
+        if kind == VARIANCE:
             variance_steps.append(decision.step)
             assert decision.interval == 1 and decision.sync
     assert max(intervals) <= 16
@@ -287,9 +279,9 @@ def test_plan_decisions_match_zero_one_adam(policy):
     for decision, kind in zero_one_step_kinds(steps, lr, **knobs):
         predicted.append((decision.step, decision.sync, decision.variance_update, decision.interval))
         kinds.add(kind)
-        assert kind == (FULL_PRECISION if decision.variance_update else ONE_BIT if decision.sync else LOCAL)
+        assert kind == (VARIANCE if decision.variance_update else ONEBIT if decision.sync else LOCAL)
     assert actual == predicted
-    assert kinds == {FULL_PRECISION, ONE_BIT, LOCAL}  # the run exercises every kind of step
+    assert kinds == {VARIANCE, ONEBIT, LOCAL}  # the run exercises every kind of step
     summary = plan(steps, lr, 2, 10, bandwidth_bytes_per_s=1e9, latency_s=0.0, **knobs)["zero_one_adam"]
     assert summary["syncs"] == sum(synced for _, synced, _, _ in actual)
     assert summary["variance_updates"] == sum(updated for _, _, updated, _ in actual)

@@ -6,7 +6,7 @@ import shutil
 import pytest
 from test_run import cache_dir, metrics, short, zoa  # noqa: F401 (cache_dir is a fixture)
 
-from zoa_train.runs import STEP_KINDS
+from zoa_train.step_kinds import STEP_KINDS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 COLUMNS = ["run", "optimizer", "steps", "final loss", "final val loss", "wall time (s)", "bits/param", "rounds", "MB sent/rank"]

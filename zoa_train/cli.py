@@ -219,10 +219,10 @@ def plan_command(
     params: Annotated[int, typer.Option(help="Parameter count. [default: counted from the recipe's model]")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by optimizer name.")] = False,
 ) -> None:
-    """Communication of Adam, 1-bit Adam and 0/1 Adam over a whole recipe, without training."""
+    """Communication of every optimizer (Adam, 1-bit Adam, 0/1 Adam, ...) over a whole recipe, without training."""
     from zoa_train.config import load_recipe
+    from zoa_train.optim import registry
     from zoa_train.optim.plan import format_plan, parse_bandwidth, parse_latency, plan
-    from zoa_train.train.trainer import lr_schedule
 
     config = load_recipe(recipe, set_)
     if world_size < 1:
@@ -230,11 +230,10 @@ def plan_command(
     o = config.optimizer
     result = plan(
         config.train.steps,
-        lr_schedule(config),
+        config.lr_schedule(),
         world_size,
         params or count_parameters(config),
-        freeze_step=o.freeze_step,
-        **o.schedule_knobs(),
+        **registry.knob_values(o),
         allreduce_bits=32 if o.allreduce_dtype == "fp32" else 16,
         bandwidth_bytes_per_s=parse_bandwidth(bandwidth),
         latency_s=parse_latency(latency),
@@ -397,7 +396,7 @@ def bench_netsim(
     ranks: Annotated[int, typer.Option(help="Ranks, one network namespace each. [default: 2]")] = 2,
     bandwidth: Annotated[str, typer.Option(help="Rate of each rank's link, both directions, e.g. 100mbit, 1Gbit, 12.5MB/s. [default: 100mbit]")] = "100mbit",
     latency: Annotated[str, typer.Option(help="One-way delay between two ranks (netem), e.g. 1ms; 0 shapes the rate only. [default: 1ms]")] = "1ms",
-    optimizers: Annotated[str, typer.Option(help="Comma-separated optimizers to train, Adam first; none: bench comm only. [default: adam,onebit_adam,zero_one_adam]")] = "adam,onebit_adam,zero_one_adam",
+    optimizers: Annotated[str, typer.Option(help="Comma-separated optimizers to train, Adam first; all: every registered one (those of the recipe's imports too); none: bench comm only. [default: all]")] = "all",
     steps: Annotated[int, typer.Option(help="Sets train.steps for every run. [default: the recipe's]")] = 0,
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value in every run: section.key=value (repeatable).")] = [],
     comm_sizes: Annotated[str, typer.Option(help="Element counts for bench comm over the same links (k, M, G suffixes), or none. [default: the model's parameter count]")] = "",
@@ -412,12 +411,13 @@ def bench_netsim(
     from zoa_train.bench.netsim import RankFailed, parse_optimizers, run_netsim
     from zoa_train.config import load_recipe
 
-    names = parse_optimizers(optimizers)
     if steps < 0:
         fail("--steps must be positive (0 keeps the recipe's train.steps).")
     if not 0 <= margin < 1:
         fail(f"--margin must be a fraction in [0, 1), not {margin}.")
     overrides = [*set_, *([f"train.steps={steps}"] if steps else [])]
+    config = load_recipe(recipe, overrides)  # also imports the modules that register its optimizers
+    names = parse_optimizers(optimizers)
     if comm_sizes.strip() == "none":
         numels = []
     elif comm_sizes.strip():
@@ -426,7 +426,7 @@ def bench_netsim(
         except ValueError as e:
             fail(f"--comm-sizes: {e}.")
     else:
-        numels = [count_parameters(load_recipe(recipe, overrides))]
+        numels = [count_parameters(config)]
     if not names and not numels:
         fail("--optimizers none and --comm-sizes none leave nothing to run.")
     say = Console(stderr=True).print

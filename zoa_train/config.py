@@ -8,7 +8,6 @@ refused rather than training every default. The resolved recipe is what the trai
 
 import dataclasses
 import difflib
-import inspect
 import re
 import types
 import typing
@@ -18,27 +17,10 @@ from typing import Literal
 
 import yaml
 
+from zoa_train import checks
 from zoa_train.errors import UserError
-from zoa_train.optim import OneBitAdam, ZeroOneAdam
-
-
-def _library_default(optimizer: type, name: str):
-    """An optimizer knob's default as the library defines it: the recipe schema never restates one."""
-    return inspect.signature(optimizer).parameters[name].default
-
-
-@dataclass
-class ModelConfig:
-    # The model family, and with it the task (zoa_train/tasks): gpt2 causal_lm, bert masked_lm,
-    # resnet18/34/50 image_classification.
-    kind: Literal["gpt2", "bert", "resnet18", "resnet34", "resnet50"] = "gpt2"
-    size: str = "117M"  # transformers: a preset (gpt2: 117M/small, medium, large, xl; bert: base, large) or "custom"
-    n_layer: int | None = None  # overrides of the preset
-    n_embd: int | None = None
-    n_head: int | None = None
-    dropout: float = 0.1
-    next_sentence: bool = False  # BERT: add the next-sentence head and train on sentence pairs
-    init_from: str | None = None  # a local Hugging Face model directory or a hub name when online; ResNet: a state-dict file
+from zoa_train.models.builders import MODEL_PRESETS, ModelConfig, model_shape
+from zoa_train.optim import LRSchedule, registry
 
 
 @dataclass
@@ -63,32 +45,38 @@ class DataConfig:
     workers: int = 4  # decoding processes per rank
 
 
-@dataclass
 class OptimizerConfig:
-    """Defaults are the library's (zoa_train.optim), which follow the authors' DeepSpeed defaults;
-    docs/algorithm.md ("Defaults") lists them beside the authors' values."""
+    """The optimizer section: `name`, the knobs every optimizer shares (registry.SharedKnobs), then
+    every registered optimizer's own knobs, all at the same level so that switching `name` keeps
+    the rest of a recipe. The dataclass is made from the registry (`optimizer_section()`), so an
+    optimizer registered by a module the recipe imports brings its keys; this class is what its
+    instances are."""
 
-    name: Literal["adam", "onebit_adam", "zero_one_adam"] = "zero_one_adam"
-    lr: float = _library_default(ZeroOneAdam, "lr")
-    betas: tuple[float, float] = _library_default(ZeroOneAdam, "betas")
-    eps: float = _library_default(ZeroOneAdam, "eps")
-    weight_decay: float = _library_default(ZeroOneAdam, "weight_decay")
-    bias_correction: bool = _library_default(ZeroOneAdam, "bias_correction")
-    allreduce_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # full-precision collectives
-    freeze_step: int = _library_default(OneBitAdam, "freeze_step")  # 1-bit Adam: full-precision warm-up steps
-    var_freeze_step: int = _library_default(ZeroOneAdam, "var_freeze_step")  # 0/1 Adam: last step that may update the variance
-    var_update_scaler: int = _library_default(ZeroOneAdam, "var_update_scaler")  # kappa: variance-update gaps double every kappa updates
-    local_steps: Literal["lr", "steps", "fixed"] = _library_default(ZeroOneAdam, "local_steps")
-    local_step_clip: int = _library_default(ZeroOneAdam, "local_step_clip")  # H: the largest sync interval
-    local_step_scaler: int = _library_default(ZeroOneAdam, "local_step_scaler")  # "steps" policy: steps per doubling of the interval
-    local_step_interval: int = _library_default(ZeroOneAdam, "local_step_interval")  # "fixed" policy
-    # 0/1 Adam: largest RMS of a tensor's m/d on steps with a stale v; null: none
-    update_clip: float | None = _library_default(ZeroOneAdam, "update_clip")
+    def __reduce__(self):  # the made class has no importable name: pickle the values
+        return _optimizer_config_from, (dataclasses.asdict(self),)
 
-    def schedule_knobs(self) -> dict:
-        """The ZeroOneSchedule keyword arguments, shared by the trainer and `plan`."""
-        names = ("var_freeze_step", "var_update_scaler", "local_steps", "local_step_clip", "local_step_scaler", "local_step_interval")
-        return {name: getattr(self, name) for name in names}
+
+def _optimizer_config_from(values: dict) -> OptimizerConfig:
+    return optimizer_section()(**values)
+
+
+_SECTION: dict[tuple, type] = {}
+
+
+def optimizer_section() -> type:
+    """The optimizer section's dataclass for the optimizers registered now."""
+    key = registry.names()
+    if key not in _SECTION:
+        fields = [("name", Literal[key], field(default=DEFAULT_OPTIMIZER))]
+        for f in [*dataclasses.fields(registry.SharedKnobs), *registry.knob_fields()]:
+            fields.append((f.name, f.type, field(default=f.default)))
+        section = dataclasses.make_dataclass("OptimizerConfig", fields, bases=(OptimizerConfig,))
+        section.__module__ = __name__
+        _SECTION[key] = section
+    return _SECTION[key]
+
+
+DEFAULT_OPTIMIZER = "zero_one_adam"
 
 
 @dataclass
@@ -130,13 +118,21 @@ class LoggingConfig:
 class Recipe:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    optimizer: OptimizerConfig = field(default_factory=lambda: optimizer_section()())
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Python modules imported before the rest of the recipe is read, by every process that reads it:
+    # they register optimizers of your own (zoa_train.optim.registry.register; docs/optimizers.md).
+    imports: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return _plain(dataclasses.asdict(self))
+
+    def lr_schedule(self) -> LRSchedule:
+        """The learning rate at each step, as the trainer sets it and `plan` assumes it."""
+        s = self.schedule
+        return LRSchedule(s.name, self.optimizer.lr, s.warmup_steps, s.decay_factor, s.decay_every, s.min_lr, self.train.steps)
 
 
 def _plain(value):
@@ -162,10 +158,8 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
         raise UserError(f"{path} must hold a mapping of sections (model, data, optimizer, ...).")
     _check_names_a_model(data, path)
     for override in overrides:
-        _apply_override(data, override, path)
-    recipe = _build(Recipe, data, str(path), "")
-    _check(recipe, str(path))
-    return recipe
+        apply_override(data, override)
+    return recipe_from_dict(data, str(path))
 
 
 def _check_names_a_model(data: dict, path: Path) -> None:
@@ -180,12 +174,17 @@ def _check_names_a_model(data: dict, path: Path) -> None:
 
 
 def recipe_from_dict(data: dict, origin: str = "recipe") -> Recipe:
-    recipe = _build(Recipe, data, origin, "")
+    """Validate a recipe given as a mapping (a resolved recipe, or a file's contents), after
+    importing the modules it lists under `imports`."""
+    if isinstance(data, dict) and data.get("imports") is not None:
+        registry.import_modules(_coerce(data["imports"], list[str], origin, "imports"), origin)
+    recipe = build_section(Recipe, data, origin)
     _check(recipe, origin)
     return recipe
 
 
-def _apply_override(data: dict, override: str, path: Path) -> None:
+def apply_override(data: dict, override: str) -> None:
+    """Apply one `--set section.key=value` (the value read as YAML) to a recipe mapping, in place."""
     key, sep, text = override.partition("=")
     if not sep or not key.strip():
         raise UserError(f"--set {override!r} must look like section.key=value.")
@@ -204,7 +203,9 @@ def _apply_override(data: dict, override: str, path: Path) -> None:
 _MODEL_SPLITTING = re.compile(r"^zero$|zero_?(stage|optimi[sz]ation|\d)|fsdp|shard|tensor_?(model_?)?parallel|pipeline|model_?parallel|^[tp]p(_size|_degree)?$|deepspeed|megatron")
 
 
-def _build(cls, data, origin: str, prefix: str):
+def build_section(cls, data, origin: str, prefix: str = ""):
+    """An instance of the dataclass `cls` from a mapping, every value checked against its type;
+    unknown keys are refused with the closest valid one. `prefix` names the section in messages."""
     if not isinstance(data, dict):
         raise UserError(f"{origin}: {prefix.rstrip('.') or 'the recipe'} must be a mapping, not {type(data).__name__}.")
     hints = typing.get_type_hints(cls)
@@ -220,9 +221,9 @@ def _build(cls, data, origin: str, prefix: str):
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys are {', '.join(names)}."
             raise UserError(f"{origin}: unknown key {prefix}{key}{hint}")
-        kind = hints[key]
+        kind = optimizer_section() if hints[key] is OptimizerConfig else hints[key]
         if dataclasses.is_dataclass(kind):
-            values[key] = _build(kind, value if value is not None else {}, origin, f"{prefix}{key}.")
+            values[key] = build_section(kind, value if value is not None else {}, origin, f"{prefix}{key}.")
         else:
             values[key] = _coerce(value, kind, origin, f"{prefix}{key}")
     return cls(**values)
@@ -263,43 +264,56 @@ def _coerce(value, kind, origin: str, key: str):
     return value
 
 
+# What each numeric key must be, checked in this order (each optimizer's registry entry adds its own
+# knobs'); rules that involve several keys or a value's meaning are in _check.
+CHECKS: dict[str, checks.Check] = {
+    "train.steps": checks.positive,
+    "train.global_batch_size": checks.positive,
+    "train.micro_batch_size": checks.positive,
+    "train.nproc": checks.positive,
+    "train.log_every": checks.positive,
+    "train.timeout_s": checks.positive,
+    "train.val_batches": checks.positive,
+    "train.keep_checkpoints": checks.positive,
+    "train.grad_clip": checks.non_negative,
+    "train.skip_nonfinite": checks.non_negative,
+    "train.val_every": checks.non_negative,
+    "train.checkpoint_every": checks.non_negative,
+    "data.seq_len": checks.positive,
+    "data.vocab_size": checks.positive,
+    "data.crop_size": checks.positive,
+    "data.resize_size": checks.positive,
+    "data.workers": checks.non_negative,
+    "schedule.decay_every": checks.positive,
+    "schedule.warmup_steps": checks.non_negative,
+    "model.dropout": checks.non_negative,
+    "model.n_layer": checks.unset_or(checks.positive),
+    "model.n_embd": checks.unset_or(checks.positive),
+    "model.n_head": checks.unset_or(checks.positive),
+}
+
+
 def _check(recipe: Recipe, origin: str) -> None:
-    """Rules that involve a value's meaning or several fields."""
-    t, o, d, m = recipe.train, recipe.optimizer, recipe.data, recipe.model
-    positive = {
-        "train.steps": t.steps, "train.global_batch_size": t.global_batch_size, "train.micro_batch_size": t.micro_batch_size,
-        "train.nproc": t.nproc, "train.log_every": t.log_every, "train.timeout_s": t.timeout_s, "train.val_batches": t.val_batches,
-        "train.keep_checkpoints": t.keep_checkpoints, "data.seq_len": d.seq_len, "data.vocab_size": d.vocab_size,
-        "optimizer.lr": o.lr, "optimizer.var_update_scaler": o.var_update_scaler, "optimizer.local_step_clip": o.local_step_clip,
-        "optimizer.local_step_scaler": o.local_step_scaler, "optimizer.local_step_interval": o.local_step_interval,
-        "schedule.decay_every": recipe.schedule.decay_every, "optimizer.freeze_step": o.freeze_step,
-        "optimizer.var_freeze_step": o.var_freeze_step, "data.crop_size": d.crop_size, "data.resize_size": d.resize_size,
+    """The table of checks, then rules that involve a value's meaning or several fields."""
+    o, d, m = recipe.optimizer, recipe.data, recipe.model
+    table = {
+        **CHECKS,
+        **{f"optimizer.{key}": check for key, check in registry.SHARED_CHECKS.items()},
+        **{f"optimizer.{key}": check for name in registry.names() for key, check in registry.get(name).checks.items()},
     }
-    for key, value in positive.items():
-        if value <= 0:
-            raise UserError(f"{origin}: {key} must be positive, not {value}.")
-    non_negative = {
-        "train.grad_clip": t.grad_clip, "train.skip_nonfinite": t.skip_nonfinite, "train.val_every": t.val_every, "train.checkpoint_every": t.checkpoint_every,
-        "optimizer.weight_decay": o.weight_decay, "optimizer.eps": o.eps, "schedule.warmup_steps": recipe.schedule.warmup_steps,
-        "model.dropout": m.dropout, "data.workers": d.workers,
-    }
-    for key, value in non_negative.items():
-        if value < 0:
-            raise UserError(f"{origin}: {key} must be >= 0, not {value}.")
-    if o.update_clip is not None and not o.update_clip > 0:
-        raise UserError(f"{origin}: optimizer.update_clip must be positive or null, not {o.update_clip}.")
+    for key, check in table.items():
+        section, name = key.split(".")
+        value = getattr(getattr(recipe, section), name)
+        problem = check(value)
+        if problem:
+            raise UserError(f"{origin}: {key} {problem}, not {value}.")
     if not all(0 <= b < 1 for b in o.betas):
         raise UserError(f"{origin}: optimizer.betas must both be in [0, 1), not {list(o.betas)}.")
     if not 0 < recipe.schedule.decay_factor <= 1:
         raise UserError(f"{origin}: schedule.decay_factor must be in (0, 1], not {recipe.schedule.decay_factor}.")
-    for key, value in {"model.n_layer": m.n_layer, "model.n_embd": m.n_embd, "model.n_head": m.n_head}.items():
-        if value is not None and value <= 0:
-            raise UserError(f"{origin}: {key} must be positive, not {value}.")
-    from zoa_train.models.builders import MODEL_PRESETS, _shape  # config is imported by builders: import here
-
     if m.kind in MODEL_PRESETS and not m.init_from:  # init_from: the pretrained model's own shape
         try:  # the preset name, custom's three sizes, n_embd divisible by n_head: before any rank starts
-            _shape(m)
+            model_shape(m)
         except UserError as e:
             raise UserError(f"{origin}: {e}") from None
     for name in d.train_files + d.validation_files:

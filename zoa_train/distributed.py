@@ -10,6 +10,9 @@ import os
 import re
 import subprocess
 import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -186,3 +189,34 @@ def threads_per_rank(world_size: int) -> int:
         return int(explicit)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     return max(1, (os.cpu_count() or 1) // local)
+
+
+@dataclass(frozen=True)
+class EvaluationRanks:
+    """This process's place in an evaluation: rank `rank` of `world` on `device`."""
+
+    device: torch.device
+    rank: int
+    world: int
+
+    def share(self, items: Sequence) -> Sequence:
+        """A contiguous slice of `items`: the ranks' slices cover every item once."""
+        n = len(items)
+        return items[self.rank * n // self.world : (self.rank + 1) * n // self.world]
+
+
+@contextmanager
+def evaluation_ranks() -> Iterator[EvaluationRanks]:
+    """Join the process group of torchrun or srun for the length of an evaluation (and leave it after),
+    or run alone as rank 0 of 1 on the GPU if there is one. CPU ranks share the cores."""
+    if cluster_environment() is None:
+        yield EvaluationRanks(torch.device("cuda" if torch.cuda.is_available() else "cpu"), 0, 1)
+        return
+    device = init_process_group()
+    try:
+        world = dist.get_world_size()
+        if device.type == "cpu":
+            torch.set_num_threads(threads_per_rank(world))
+        yield EvaluationRanks(device, dist.get_rank(), world)
+    finally:
+        dist.destroy_process_group()

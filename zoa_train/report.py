@@ -18,11 +18,12 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FormatStrFormatter
 
 from zoa_train.errors import UserError
-from zoa_train.runs import FULL, LOCAL, ONEBIT, STEP_KINDS, VARIANCE, RunLog, first_reaching, read_run
+from zoa_train.optim import registry
+from zoa_train.runs import RunLog, first_reaching, read_run
+from zoa_train.step_kinds import FULL, LOCAL, ONEBIT, STEP_KINDS, VARIANCE
 
-# One colour per optimizer, the same in every plot; runs of one optimizer differ by line style and marker.
-OPTIMIZER_COLOURS = {"adam": "#444444", "onebit_adam": "#e07b00", "zero_one_adam": "#1f6fc0"}
-OTHER_COLOUR = "#8e44ad"
+# One colour per optimizer (its registry entry's), the same in every plot; runs of one optimizer
+# differ by line style and marker.
 LINE_STYLES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D", "v", "P"]
 KIND_COLOURS = {VARIANCE: "#c0392b", FULL: "#34495e", ONEBIT: "#27ae60", LOCAL: "#f5d76e"}
@@ -37,13 +38,19 @@ class Report:
     notes: list[str]
 
 
-def load_runs(paths: list[Path]) -> list[RunLog]:
-    """Read every run directory; one without metric records yet is bad input too."""
-    runs = [read_run(p) for p in paths]
+def load_runs(paths: list[Path]) -> tuple[list[RunLog], list[str]]:
+    """Read every run directory (one without metric records yet is bad input too) and import the
+    modules its recipe lists, which register its optimizer's colour; a module that cannot be
+    imported any more only costs that colour, said in the notes returned."""
+    runs, notes = [read_run(p) for p in paths], []
     for run in runs:
         if not run.records:
             raise UserError(f"{run.path} has no metric records yet (metrics.jsonl is empty).")
-    return runs
+        try:
+            registry.import_modules(run.recipe.get("imports") or [], str(run.path / "recipe.yaml"))
+        except UserError as e:
+            notes.append(f"{e} Its optimizer is drawn in the default colour.")
+    return runs, notes
 
 
 def labels(runs: list[RunLog]) -> list[str]:
@@ -59,7 +66,8 @@ def styles(runs: list[RunLog]) -> list[dict]:
     for run in runs:
         n = seen.get(run.optimizer, 0)
         seen[run.optimizer] = n + 1
-        colour = OPTIMIZER_COLOURS.get(run.optimizer, OTHER_COLOUR)
+        spec = registry.find(run.optimizer)
+        colour = spec.colour if spec is not None else registry.OTHER_COLOUR
         out.append({"color": colour, "linestyle": LINE_STYLES[n % len(LINE_STYLES)], "marker": MARKERS[n % len(MARKERS)]})
     return out
 
@@ -202,7 +210,7 @@ def plot_step_kinds(runs: list[RunLog], path: Path) -> list[str]:
 # ---- the whole report -------------------------------------------------------------------------
 
 def write_report(paths: list[Path], out: Path) -> Report:
-    runs = load_runs(paths)
+    runs, notes = load_runs(paths)
     target = best_common_loss(runs)
     columns, rows = table(runs, target)
     markdown = markdown_table(columns, rows)
@@ -210,7 +218,7 @@ def write_report(paths: list[Path], out: Path) -> Report:
     images = {"loss.png": "Loss", "bits_per_param.png": "Bits per parameter", "step_kinds.png": "Step kinds"}
     plot_losses(runs, out / "loss.png")
     plot_bits(runs, out / "bits_per_param.png")
-    notes = plot_step_kinds(runs, out / "step_kinds.png")
+    notes += plot_step_kinds(runs, out / "step_kinds.png")
 
     text = ["# zoa-train report", "", "Runs: " + ", ".join(f"`{r.path}`" for r in runs), "", markdown]
     text.append(

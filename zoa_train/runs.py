@@ -4,7 +4,7 @@ A run directory holds `recipe.yaml` (the resolved recipe) and `metrics.jsonl` (o
 log step, written by rank 0: step, loss, lr, throughput, bits_per_param, rounds, bytes_sent,
 wall_time, step_kinds, and val_loss on validation steps).
 
-`step_kinds` holds one character per optimizer step since the previous record, from STEP_KINDS
+`step_kinds` holds one character per optimizer step since the previous record, from zoa_train.step_kinds
 (runs written before it existed lack it).
 """
 
@@ -15,15 +15,6 @@ from pathlib import Path
 import yaml
 
 from zoa_train.errors import UserError
-
-# The alphabet of `step_kinds`: what one optimizer step did, written by the trainer, drawn by report.
-VARIANCE, FULL, ONEBIT, LOCAL = "v", "f", "s", "l"
-STEP_KINDS = {
-    VARIANCE: "variance update (full precision)",  # 0/1 Adam
-    FULL: "full-precision step",  # adam every step, 1-bit Adam during its warm-up
-    ONEBIT: "1-bit sync",
-    LOCAL: "local step (no communication)",  # 0/1 Adam
-}
 
 
 @dataclass

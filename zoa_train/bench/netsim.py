@@ -33,7 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoa_train.errors import UserError
-from zoa_train.optim.plan import OPTIMIZERS, format_bytes, optimizer_table, parse_bandwidth, parse_latency
+from zoa_train.optim import registry
+from zoa_train.optim.plan import format_bytes, optimizer_table, parse_bandwidth, parse_latency
 from zoa_train.runs import RunLog, first_reaching, read_run
 
 SUBNET = "10.231.0"  # rank r is SUBNET.(r+1)/24, only ever inside this invocation's namespaces
@@ -96,16 +97,18 @@ def tc_rate(bandwidth: str) -> int:
 
 
 def parse_optimizers(text: str) -> list[str]:
-    """Comma-separated optimizer names, Adam first (its final val_loss is everyone's target); 'none': no training."""
+    """Comma-separated optimizer names, Adam first (its final val_loss is everyone's target); 'none': no
+    training; 'all': every registered optimizer (a recipe's imports included, once it has been loaded)."""
     if text.strip() == "none":
         return []
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in OPTIMIZERS]
+    known = registry.names()
+    names = list(known) if text.strip() == "all" else [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise UserError(f"--optimizers takes a comma-separated list of {', '.join(OPTIMIZERS)} (or none), not {text!r}.")
+        raise UserError(f"--optimizers takes all, none or a comma-separated list of {', '.join(known)}, not {text!r}.")
     if len(set(names)) != len(names):
         raise UserError(f"--optimizers names an optimizer twice: {text!r}.")
-    return sorted(names, key=lambda n: n != "adam")
+    return sorted(names, key=lambda n: n != registry.BASELINE)
 
 
 def link_commands(topo: Topology, rate_bits: int, latency_s: float) -> list[list[str]]:
@@ -194,7 +197,7 @@ def summarize(run: RunLog, target: float | None) -> dict:
 
 def add_speedups(rows: list[dict]) -> None:
     """Speed-ups against Adam's row (none without one): total training wall time and time to target."""
-    base = next((r for r in rows if r["optimizer"] == "adam"), None)
+    base = next((r for r in rows if r["optimizer"] == registry.BASELINE), None)
     for row in rows:
         row["speedup_wall"] = speedup(base["wall_time_s"], row["wall_time_s"]) if base else None
         row["speedup_time_to_target"] = speedup(base["time_to_target_s"], row["time_to_target_s"]) if base else None
@@ -389,7 +392,7 @@ def run_netsim(
             comm = _last_json(logs[0])
 
     logs = {name: read_run(out / name) for name in optimizers}
-    adam = logs["adam"].final("val_loss") if "adam" in logs else None
+    adam = logs[registry.BASELINE].final("val_loss") if registry.BASELINE in logs else None
     target = adam * (1 + margin) if adam is not None else None
     rows = [summarize(logs[row["optimizer"]], target) | row for row in rows]
     add_speedups(rows)

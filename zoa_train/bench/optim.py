@@ -33,8 +33,8 @@ the optimizer step is timed. All optimizers use the same lr, betas, eps and deco
 2. Persistent memory, counted from the tensors each optimizer holds after its steps, in bytes per
    parameter and in fp32 copies of the model (4 bytes per parameter each):
    - AdamW: every tensor in `opt.state` (exp_avg, exp_avg_sq and the step counters).
-   - ours, "state": the flat buffers in `opt._buffers` and, for each OneBitAllReduce in
-     `opt._comms`, its worker buffer `_worker` (the accumulator / worker error) and server
+   - ours, "state": the flat buffers in `opt._buffers` and, for its OneBitAllReduce
+     `opt.collective`, its worker buffer `_worker` (the accumulator / worker error) and server
      buffer `_server` (the server error of this rank's chunk).
    - ours, "comm workspace": the same OneBitAllReduce's wire buffers `_send`, `_recv`,
      `_gathered`, `_mine` and its per-block scratch (`_flags`, `_flag_bytes`, `_words`,
@@ -180,7 +180,7 @@ def _run(params_millions: float, repeats: int, threads: int, device: torch.devic
     local = next(r for r in rows if r["name"] == "ZeroOneAdam local")["vs_adamw_fused"]
 
     zero_one = optimizers["ZeroOneAdam local"]
-    comm = zero_one._comms[0]
+    comm = zero_one.collective
     measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for key in STATE_KEYS + WORKSPACE_KEYS}
     analytic = [_analytic_row(numel, n) for n in ANALYTIC_WORLD_SIZES]
     return {
@@ -261,10 +261,10 @@ def _held_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
         return sum(size(t) for s in opt.state.values() for t in s.values() if torch.is_tensor(t)), 0
     state = sum(size(t) for buffers in opt._buffers for t in buffers.values())
     workspace = 0
-    for comm in opt._comms:
-        if comm is not None:
-            state += sum(size(getattr(comm, key)) for key in STATE_KEYS)
-            workspace += sum(size(getattr(comm, key)) for key in WORKSPACE_KEYS)
+    comm = opt.collective
+    if comm is not None:
+        state += sum(size(getattr(comm, key)) for key in STATE_KEYS)
+        workspace += sum(size(getattr(comm, key)) for key in WORKSPACE_KEYS)
     return state, workspace
 
 

@@ -4,8 +4,11 @@ from zoa_train.comm.collectives import allreduce, default_ledger, group_size_ran
 from zoa_train.comm.ledger import CommLedger, StepComm
 from zoa_train.comm.onebit import OneBitAllReduce, onebit_layout
 from zoa_train.comm.packing import pack_signs, sign_table, unpack_signs
+from zoa_train.comm.protocol import Collective, CollectiveFactory
 
 __all__ = [
+    "Collective",
+    "CollectiveFactory",
     "CommLedger",
     "OneBitAllReduce",
     "StepComm",

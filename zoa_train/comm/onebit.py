@@ -263,6 +263,7 @@ class OneBitAllReduce:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.ledger = ledger if ledger is not None else default_ledger()
+        self.scale_row = scale_row
         buffers = _buffer_sizes(sizes)
         self.layouts = [onebit_layout(s, self.world_size, scale_row) for s in buffers]
         self.numel = sum(l.numel for l in self.layouts)
@@ -493,6 +494,26 @@ class OneBitAllReduce:
             accumulator.copy_(state["worker_error"])
             self._server[server : server + chunk].copy_(state["server_error"])
             server += chunk
+
+    def layout_state(self) -> list[dict]:
+        """Where each buffer's tensors lie, per buffer: what `relayout` needs to read a buffer saved in
+        this layout back at another world size (optimizers save it with their flat state)."""
+        return [{"world_size": self.world_size, "offsets": list(l.offsets), "padded": l.padded} for l in self.layouts]
+
+    def relayout(self, flat: torch.Tensor, index: int, saved: dict) -> torch.Tensor:
+        """Buffer `index` as saved in another layout (`saved`: an entry of `layout_state()` of that
+        run, or of a checkpoint from before it was saved, just {"world_size", "padded"}) laid out anew
+        in this one: each tensor moved to its offset here, padding zero. For --reshard: the error
+        buffers themselves are not carried over (they start at zero, as built)."""
+        layout = self.layouts[index]
+        old = saved if "offsets" in saved else onebit_layout(layout.sizes, saved["world_size"], self.scale_row)._asdict()
+        offsets = old["offsets"]
+        if not flat.numel() == saved["padded"] == old["padded"] or len(offsets) != len(layout.sizes):
+            raise ValueError(f"a buffer of {flat.numel()} elements saved on {saved['world_size']} ranks is not in a 1-bit layout of these {len(layout.sizes)} tensors")
+        out = torch.zeros(layout.padded, dtype=flat.dtype)  # padding stays zero, as the optimizers keep it
+        for size, old, new in zip(layout.sizes, offsets, layout.offsets):
+            out[new : new + size] = flat[old : old + size]
+        return out
 
     def state_dict(self) -> dict:
         """The state of the only buffer (see `state_dicts`)."""

@@ -136,12 +136,12 @@ class _GlueSettings:
 
 def finetune_config(overrides: list[str] = ()) -> FinetuneConfig:
     """FinetuneConfig from `--set finetune.KEY=VALUE` overrides, typed and checked as recipe keys are."""
-    from zoa_train.config import _apply_override, _build  # the recipe schema's machinery (imports torch)
+    from zoa_train.config import apply_override, build_section  # the recipe schema's machinery (imports torch)
 
     data: dict = {}
     for override in overrides:
-        _apply_override(data, override, Path("--set"))
-    cfg = _build(_GlueSettings, data, "--set", "").finetune
+        apply_override(data, override)
+    cfg = build_section(_GlueSettings, data, "--set").finetune
     for key in ("lr", "epochs", "batch_size", "seq_len"):
         if not getattr(cfg, key) > 0:
             raise UserError(f"--set: finetune.{key} must be positive, not {getattr(cfg, key)}.")
@@ -530,9 +530,8 @@ def evaluate_glue(checkpoint: str | Path, task: str, data_dir: str | Path, overr
     data = {name: load_task_data(data_dir, name) for name in names}  # every file is checked before any training
 
     import torch
-    import torch.distributed as dist
 
-    from zoa_train.distributed import cluster_environment, init_process_group, threads_per_rank
+    from zoa_train.distributed import evaluation_ranks
     from zoa_train.evaluation.checkpoints import load_language_model
 
     with _quiet_transformers():  # its loading reports (weights newly initialised, progress bars) are expected here
@@ -543,14 +542,10 @@ def evaluate_glue(checkpoint: str | Path, task: str, data_dir: str | Path, overr
         raise UserError(f"--set: finetune.seq_len {cfg.seq_len} exceeds the model's {config.max_position_embeddings} positions.")
     fresh_pooler = not any(k.startswith("pooler.") for k in encoder_state)
 
-    distributed = cluster_environment() is not None
-    device = init_process_group() if distributed else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    with evaluation_ranks() as ranks:
+        device, rank, world = ranks.device, ranks.rank, ranks.world
         if cfg.batch_size % world:
             raise UserError(f"--set: finetune.batch_size {cfg.batch_size} is not divisible by the {world} ranks.")
-        if distributed and device.type == "cpu":
-            torch.set_num_threads(threads_per_rank(world))
         say = say if rank == 0 and say is not None else (lambda message: None)
         if fresh_pooler:
             say("note: the checkpoint has no pooler (a masked-LM model): the pooler starts from random weights and is fine-tuned with each task.")
@@ -585,9 +580,6 @@ def evaluate_glue(checkpoint: str | Path, task: str, data_dir: str | Path, overr
                     "files": [splits.train.source, *(s.source for s in splits.dev.values())],
                     "skipped_rows": splits.train.skipped + sum(s.skipped for s in splits.dev.values()),
                 }
-    finally:
-        if distributed:
-            dist.destroy_process_group()
     if rank != 0:
         return None
     result = {

@@ -26,12 +26,10 @@ def evaluate_imagenet(
     crop_size: int | None = None,
 ) -> dict | None:
     """The metrics as a dict on rank 0 (None on the other ranks)."""
-    import torch.distributed as dist
-
-    from zoa_train.config import ModelConfig, load_recipe
+    from zoa_train.config import load_recipe
     from zoa_train.data.images import eval_transform, image_validation_batches, scan_image_folder
-    from zoa_train.distributed import cluster_environment, init_process_group
-    from zoa_train.models import build_resnet
+    from zoa_train.distributed import evaluation_ranks
+    from zoa_train.models import ModelConfig, build_resnet
     from zoa_train.tasks.base import evaluate_batches
     from zoa_train.tasks.images import ImageClassification, classification_sums
     from zoa_train.train.rundir import resolve_model_file
@@ -61,21 +59,15 @@ def evaluate_imagenet(
     if model.fc.out_features < len(classes):
         raise UserError(f"{model_file} has {model.fc.out_features} outputs but {data} has {len(classes)} classes.")
 
-    distributed = cluster_environment() is not None
-    device = init_process_group() if distributed else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    try:
+    with evaluation_ranks() as ranks:
         d = recipe.data if recipe is not None else None
         transform = eval_transform(resize_size or (d.resize_size if d else 256), crop_size or (d.crop_size if d else 224))
-        model.to(device)
-        batches = image_validation_batches(samples, transform, batch_size, rank, world, None, workers, device.type == "cuda")
+        model.to(ranks.device)
+        batches = image_validation_batches(samples, transform, batch_size, ranks.rank, ranks.world, None, workers, ranks.device.type == "cuda")
         metrics, count = evaluate_batches(
-            model, batches, classification_sums, ImageClassification.metrics, lambda b, dev: {k: v.to(dev) for k, v in b.items()}, device
+            model, batches, classification_sums, ImageClassification.metrics, lambda b, dev: {k: v.to(dev) for k, v in b.items()}, ranks.device
         )
-    finally:
-        if distributed:
-            dist.destroy_process_group()
-    if rank != 0:
+    if ranks.rank != 0:
         return None
     return {
         "checkpoint": str(model_file),

@@ -399,50 +399,20 @@ def read_lambada(data: str) -> tuple[list[str], str]:
 
 
 # --- Ranks and progress ----------------------------------------------------------------------------
-class _Ranks:
-    """This process's share of the work: under torchrun or srun a process group is joined (and left on exit)."""
+def _add_over_ranks(sums: list[Sums], ranks) -> list[Sums]:
+    """The ranks' sums added (one allreduce)."""
+    if ranks.world == 1:
+        return sums
+    import torch
+    import torch.distributed as dist
 
-    def __enter__(self):
-        import torch
-
-        from zoa_train.distributed import cluster_environment, init_process_group
-
-        self.distributed = cluster_environment() is not None
-        if self.distributed:
-            import torch.distributed as dist
-
-            self.device = init_process_group()
-            self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        else:
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-            self.rank, self.world = 0, 1
-        return self
-
-    def __exit__(self, *exc):
-        if self.distributed:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-
-    def share(self, items: Sequence) -> Sequence:
-        """A contiguous slice of `items`: the ranks' slices cover every item once."""
-        n = len(items)
-        return items[self.rank * n // self.world : (self.rank + 1) * n // self.world]
-
-    def add(self, sums: list[Sums]) -> list[Sums]:
-        """The ranks' sums added (one allreduce)."""
-        if not self.distributed:
-            return sums
-        import torch
-        import torch.distributed as dist
-
-        flat = torch.tensor([v for s in sums for v in s.as_list()], dtype=torch.float64, device=self.device)
-        dist.all_reduce(flat)
-        values = flat.cpu().tolist()
-        return [Sums.from_list(values[4 * i : 4 * i + 4]) for i in range(len(sums))]
+    flat = torch.tensor([v for s in sums for v in s.as_list()], dtype=torch.float64, device=ranks.device)
+    dist.all_reduce(flat)
+    values = flat.cpu().tolist()
+    return [Sums.from_list(values[4 * i : 4 * i + 4]) for i in range(len(sums))]
 
 
-def _score_with_progress(model, passes: list[tuple[str, list[Window]]], batch_size: int, ranks: _Ranks, pad_id: int) -> list[Sums]:
+def _score_with_progress(model, passes: list[tuple[str, list[Window]]], batch_size: int, ranks, pad_id: int) -> list[Sums]:
     """Each pass's windows scored (this rank's share), with a progress bar on rank 0's terminal."""
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -455,7 +425,7 @@ def _score_with_progress(model, passes: list[tuple[str, list[Window]]], batch_si
         for label, windows in shares:
             task = progress.add_task(label, total=len(windows))
             sums.append(score_windows(model, windows, batch_size, ranks.device, pad_id, lambda n, t=task: progress.advance(t, n)))
-    return ranks.add(sums)
+    return _add_over_ranks(sums, ranks)
 
 
 def _load(checkpoint: Path):
@@ -497,7 +467,9 @@ def evaluate_wikitext(checkpoint: Path, data: str, seq_len: int, stride: int, ba
     used_seq_len = min(seq_len, n_positions) if n_positions else seq_len
     used_stride = min(stride, used_seq_len)
     paper, lm_eval, counts = wikitext_windows(loaded.tokenizer, original, used_seq_len, used_stride, detokenize)
-    with _Ranks() as ranks:
+    from zoa_train.distributed import evaluation_ranks
+
+    with evaluation_ranks() as ranks:
         loaded.model.to(ranks.device)
         paper_sums, lm_eval_sums = _score_with_progress(
             loaded.model, [("sliding windows", paper), ("lm-eval windows", lm_eval)], batch_size, ranks, loaded.tokenizer.eos_token_id or 0
@@ -566,7 +538,9 @@ def evaluate_lambada(checkpoint: Path, data: str, batch_size: int, seq_len: int 
     limits = [n for n in (seq_len, n_positions) if n]
     used_seq_len = min(limits) if limits else None
     windows, cut = lambada_windows(loaded.tokenizer, texts, used_seq_len)
-    with _Ranks() as ranks:
+    from zoa_train.distributed import evaluation_ranks
+
+    with evaluation_ranks() as ranks:
         loaded.model.to(ranks.device)
         (sums,) = _score_with_progress(loaded.model, [("LAMBADA", windows)], batch_size, ranks, loaded.tokenizer.eos_token_id or 0)
         if ranks.rank != 0:

@@ -6,10 +6,29 @@ Presets follow the published shapes: GPT-2 117M/medium/large/xl (12/24/36/48 lay
 size "custom" needs all three. BERT with `next_sentence` is BertForPreTraining (MLM + next-sentence head).
 """
 
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
-from zoa_train.config import ModelConfig
 from zoa_train.errors import UserError
+
+
+@dataclass
+class ModelConfig:
+    """A recipe's model section: which model and its size (the recipe schema, zoa_train/config.py, uses it)."""
+
+    # The model family, and with it the task (zoa_train/tasks): gpt2 causal_lm, bert masked_lm,
+    # resnet18/34/50 image_classification.
+    kind: Literal["gpt2", "bert", "resnet18", "resnet34", "resnet50"] = "gpt2"
+    size: str = "117M"  # transformers: a preset (gpt2: 117M/small, medium, large, xl; bert: base, large) or "custom"
+    n_layer: int | None = None  # overrides of the preset
+    n_embd: int | None = None
+    n_head: int | None = None
+    dropout: float = 0.1
+    next_sentence: bool = False  # BERT: add the next-sentence head and train on sentence pairs
+    init_from: str | None = None  # a local Hugging Face model directory or a hub name when online; ResNet: a state-dict file
+
 
 MODEL_PRESETS = {
     "gpt2": {
@@ -23,7 +42,8 @@ MODEL_PRESETS = {
 }
 
 
-def _shape(cfg: ModelConfig) -> tuple[int, int, int]:
+def model_shape(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(n_layer, n_embd, n_head) of a transformer preset with its overrides; UserError for an impossible shape."""
     presets = MODEL_PRESETS[cfg.kind]
     if cfg.size == "custom":
         if None in (cfg.n_layer, cfg.n_embd, cfg.n_head):
@@ -52,7 +72,7 @@ def build_gpt2(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_token_id: in
 
     if cfg.init_from:
         return _from_pretrained(cfg, transformers.AutoModelForCausalLM)
-    n_layer, n_embd, n_head = _shape(cfg)
+    n_layer, n_embd, n_head = model_shape(cfg)
     config = transformers.GPT2Config(
         vocab_size=vocab_size,
         n_positions=max(1024, seq_len),
@@ -74,7 +94,7 @@ def build_bert(cfg: ModelConfig, vocab_size: int, seq_len: int, pad_token_id: in
 
     if cfg.init_from:
         return _from_pretrained(cfg, transformers.AutoModelForPreTraining if cfg.next_sentence else transformers.AutoModelForMaskedLM)
-    n_layer, n_embd, n_head = _shape(cfg)
+    n_layer, n_embd, n_head = model_shape(cfg)
     config = transformers.BertConfig(
         vocab_size=vocab_size,
         hidden_size=n_embd,

@@ -11,9 +11,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zoa_train.comm import CommLedger, OneBitAllReduce, allreduce, group_size_rank, onebit_layout
+from zoa_train.errors import UserError
+from zoa_train.comm import Collective, CollectiveFactory, CommLedger, allreduce, group_size_rank, onebit_layout
 from zoa_train.comm.onebit import OneBitLayout
-from zoa_train.runs import FULL, LOCAL, ONEBIT
+from zoa_train.step_kinds import FULL, LOCAL, ONEBIT
 
 
 @dataclass
@@ -26,7 +27,7 @@ class StepRecord:
     bits_per_param: float  # nominal, docs/algorithm.md "Counting"
     bytes_sent: int
     interval: int = 1
-    kind: str = FULL  # one character of zoa_train.runs.STEP_KINDS
+    kind: str = FULL  # one character of zoa_train.step_kinds.STEP_KINDS
 
 
 class FlatGroup:
@@ -91,12 +92,12 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     Subclasses fill `self._buffers[i]` (name -> flat fp32 tensor of group i), `self._scalars[i]`
     (name -> float) and `self.schedule` (an object with state_dict/load_state_dict, or None), and
-    implement `_step() -> StepRecord fields`. With a `scale_row`, `self._comms[0]` is one
-    OneBitAllReduce for all groups (one call per step whatever the number of groups; each group
-    in its own layout, which its flat buffers take) and `self._comms` is `[None]` without.
+    implement `_step() -> StepRecord fields`. Given a `collective` factory (zoa_train.comm.protocol),
+    `self.collective` is the one collective of all groups (one call per step whatever the number
+    of groups; each group in its own layout, which its flat buffers take), and None without.
     """
 
-    def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None, scale_row: int | None = None):
+    def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None, collective: CollectiveFactory | None = None):
         self._constructed = False
         super().__init__(params, defaults)
         self.process_group = process_group
@@ -114,11 +115,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             group["params"] = unique
         sizes = [[p.numel() for p in group["params"]] for group in self.param_groups]
         self.ledger = CommLedger(num_params=sum(map(sum, sizes)))
-        self._comms: list[OneBitAllReduce | None] = [None]
-        if scale_row is not None:
+        self.collective: Collective | None = None
+        if collective is not None:
             device = next((p.device for group in self.param_groups for p in group["params"]), None)
-            self._comms = [OneBitAllReduce(sizes, group=process_group, device=device, ledger=self.ledger, scale_row=scale_row)]
-        layouts = self._comms[0].layouts if self._comms[0] is not None else [onebit_layout(s, 1) for s in sizes]
+            self.collective = collective(sizes, group=process_group, device=device, ledger=self.ledger)
+        layouts = self.collective.layouts if self.collective is not None else [onebit_layout(s, 1) for s in sizes]
         self._flat = [FlatGroup(group["params"], layout) for group, layout in zip(self.param_groups, layouts)]
         self.last_step: StepRecord | None = None
         self.step_count = 0
@@ -151,6 +152,12 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     def parameters_differ(self) -> bool:
         """Whether ranks hold different parameters now (pending local steps)."""
         return False
+
+    @property
+    def max_steps_apart(self) -> int:
+        """The most optimizer steps one rank can be ahead of another (a step that communicates waits
+        for every rank): what a stop at an agreed step must leave room for."""
+        return 1
 
     def next_step_communicates(self) -> bool:
         """Whether the coming step() communicates (0/1 Adam's local steps do not). The caller may then
@@ -185,20 +192,6 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                     buffer = flat.flatten(flat.params)
                     dist.broadcast(buffer, src=dist.get_global_rank(self.process_group, 0) if self.process_group else 0, group=self.process_group)
                     torch._foreach_copy_(flat.params, flat.views(buffer))
-
-    def _accumulator(self, index: int) -> torch.Tensor:
-        """Group `index`'s accumulator in the 1-bit allreduce of all groups."""
-        comm = self._comms[0]
-        # One group: the one-buffer interface, which tests' exact stand-in for the allreduce also has.
-        return comm.accumulator if len(self._flat) == 1 else comm.accumulators[index]
-
-    def _exchange(self, outs: list[torch.Tensor]) -> None:
-        """One 1-bit allreduce call for all groups: outs[i] <- the average of group i's accumulator."""
-        self._comms[0].exchange(out=outs[0] if len(outs) == 1 else outs)
-
-    def _onebit_op(self, tensors: list[torch.Tensor]) -> None:
-        """One 1-bit allreduce call for all groups: average tensors[i] (group i's layout) in place."""
-        self._comms[0].op(tensors[0] if len(tensors) == 1 else tensors)
 
     def _allreduce(self, flat: FlatGroup, tensor: torch.Tensor) -> torch.Tensor:
         """Average a flat buffer of `flat` in full precision (its padding is sent, not counted in bits/param)."""
@@ -266,6 +259,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 "step_count": self.step_count,
                 "numels": [f.numel for f in self._flat],
                 "sizes": [f.size for f in self._flat],
+                "layouts": self.collective.layout_state() if self.collective is not None else None,
                 "buffers": None if self.parameters_differ else self._buffers,
                 "scalars": self._scalars,
                 "schedule": self.schedule.state_dict() if self.schedule is not None else None,
@@ -281,7 +275,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 "optimizer": type(self).__name__,
                 "rank": self.rank,
                 "world_size": self.world_size,
-                "comms": self._comms[0].state_dicts() if self._comms[0] is not None else [None] * len(self._flat),
+                "comms": self.collective.state_dicts() if self.collective is not None else [None] * len(self._flat),
                 "buffers": self._buffers if self.parameters_differ else None,
             }
         }
@@ -309,10 +303,38 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         for current, saved_buffers in zip(self._buffers, buffers):
             for key, tensor in current.items():
                 tensor.copy_(saved_buffers[key])
-        if self._comms[0] is not None:
-            self._comms[0].load_state_dicts(mine["comms"])
+        if self.collective is not None:
+            self.collective.load_state_dicts(mine["comms"])
         self._scalars = [dict(s) for s in saved["scalars"]]
         if self.schedule is not None:
             self.schedule.load_state_dict(saved["schedule"])
         self.ledger.load_state_dict(saved["ledger"])
         self.step_count = saved["step_count"]
+
+    def load_resharded(self, shared: dict) -> None:
+        """Continue a shared state saved at another world size (--reshard). m, v and the other flat
+        buffers are identical on every rank at a synchronised step, so they carry over, moved by the
+        collective from the old layout into its own; this rank's own state (the 1-bit error buffers)
+        starts at zero, as built. A state saved inside a local-step period (the ranks' buffers then
+        differ) is refused."""
+        saved, name = shared.get("zoa"), type(self).__name__
+        if saved is None or saved.get("optimizer") != name:
+            raise ValueError(f"this optimizer state is not a {name} state")
+        if saved["buffers"] is None:
+            raise UserError(
+                f"cannot reshard a checkpoint taken inside a 0/1 Adam local-step period (the ranks' parameters and momenta "
+                f"differ there); resume it at its {saved['world_size']} ranks, or reshard one taken at a synchronised step "
+                "(the last step of a run always is)."
+            )
+        if saved["numels"] != [f.numel for f in self._flat]:
+            raise ValueError(f"the {name} state is for parameter groups of sizes {saved['numels']}, not {[f.numel for f in self._flat]}")
+        buffers = saved["buffers"]
+        if self.collective is not None:
+            layouts = saved.get("layouts") or [{"world_size": saved["world_size"], "padded": size} for size in saved["sizes"]]
+            buffers = [
+                {key: self.collective.relayout(flat, index, layout) for key, flat in group.items()}
+                for index, (group, layout) in enumerate(zip(buffers, layouts))
+            ]
+        fresh = self.shared_state_dict()["zoa"]
+        resharded = {**saved, "world_size": self.world_size, "sizes": fresh["sizes"], "layouts": fresh["layouts"], "buffers": buffers}
+        self.load_state_dicts({**shared, "zoa": resharded}, self.rank_state_dict())  # this rank's own state as built: zero errors

@@ -10,7 +10,7 @@ otherwise turn their zero momentum into noise.
 
 import torch
 
-from zoa_train.comm.onebit import SCALE_ROW
+from zoa_train.comm import CollectiveFactory, OneBitAllReduce
 from zoa_train.optim.base import DataParallelOptimizer
 
 
@@ -26,12 +26,12 @@ class OneBitAdam(DataParallelOptimizer):
         freeze_step: int = 100_000,
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
-        scale_row: int = SCALE_ROW,
+        collective: CollectiveFactory = OneBitAllReduce,
     ):
         if freeze_step < 1:  # at least one full-precision step, or v stays zero and nothing moves
             raise ValueError(f"freeze_step must be at least 1, got {freeze_step}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, process_group, allreduce_dtype, scale_row)
+        super().__init__(params, defaults, process_group, allreduce_dtype, collective)
         self.freeze_step = freeze_step
         for flat, buffers, scalars in zip(self._flat, self._buffers, self._scalars):
             buffers["exp_avg"] = flat.keep(flat.zeros())
@@ -69,7 +69,7 @@ class OneBitAdam(DataParallelOptimizer):
                 if without:
                     torch._foreach_mul_(without, beta1)
         if not warmup:  # one 1-bit call averages every group's momentum
-            self._onebit_op([buffers["exp_avg"] for buffers in self._buffers])
+            self.collective.op([buffers["exp_avg"] for buffers in self._buffers])
         for index, denom in denominators.items():
             group, flat = self.param_groups[index], self._flat[index]
             beta1, lr = group["betas"][0], group["lr"]

@@ -1,13 +1,11 @@
-"""Communication plan: what Adam, 1-bit Adam and 0/1 Adam would send over a whole run, without running it.
+"""Communication plan: what each registered optimizer would send over a whole run, without running it.
 
-The counts follow docs/algorithm.md "Counting" and the optimizers' own ledgers, so a plan can be
-checked against a real run:
-  adam          one full-precision allreduce every step (allreduce_bits each), |T_v| = steps
-  onebit_adam   full precision for t < freeze_step, then one 1-bit allreduce per step; |T_v| = min(freeze_step, steps)
-  zero_one_adam driven by the same ZeroOneSchedule as ZeroOneAdam: a variance step is one full-precision
-                allreduce (it is itself the sync), any other sync step one 1-bit allreduce, all else local
-Every optimizer's parameters are treated as one flat buffer (the optimizers send one buffer per
-param group, so a multi-group model pays a little more padding and latency than planned).
+Each optimizer's registry entry (zoa_train/optim/registry.py) counts its full-precision and 1-bit
+allreduces, rounds, syncs and variance updates from the recipe's knobs, following docs/algorithm.md
+"Counting" and the optimizers' own ledgers, so a plan can be checked against a real run (0/1 Adam's
+counts come from the same ZeroOneSchedule the optimizer runs). Every optimizer's parameters are
+treated as one flat buffer (the optimizers send one buffer per param group, so a multi-group model
+pays a little more padding and latency than planned).
 
 Bytes are what one rank sends: ring_allreduce_bytes for full precision, and for a 1-bit call
 2*(n-1) segments of packed signs plus fp32 row scales, sized by onebit_layout exactly as
@@ -20,45 +18,18 @@ zero, while bits, rounds and syncs stay the schedule's nominal counts.
 
 import math
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 from rich.table import Table
 
 from zoa_train.comm.collectives import ring_allreduce_bytes
 from zoa_train.comm.onebit import onebit_layout
 from zoa_train.errors import UserError
+from zoa_train.optim import registry
 from zoa_train.optim.lr_schedules import LRSchedule
-from zoa_train.optim.schedules import StepDecision, ZeroOneSchedule, variance_update_bound
+from zoa_train.optim.registry import PlanContext, PlanCounts
 
-OPTIMIZERS = ("adam", "onebit_adam", "zero_one_adam")
-TITLES = {"adam": "Adam", "onebit_adam": "1-bit Adam", "zero_one_adam": "0/1 Adam"}
 ALLREDUCE_BITS = (16, 32)
-
-# What a 0/1 Adam step sends.
-FULL_PRECISION = "full_precision"
-ONE_BIT = "one_bit"
-LOCAL = "local"
-
-
-def step_kind(decision: StepDecision) -> str:
-    """FULL_PRECISION for a variance step (the full-precision gradient average is the sync, no
-    1-bit round), ONE_BIT for any other sync, LOCAL otherwise: ZeroOneAdam._step's branches."""
-    if decision.variance_update:
-        return FULL_PRECISION
-    return ONE_BIT if decision.sync else LOCAL
-
-
-def zero_one_step_kinds(steps: int, lr_schedule: LRSchedule, **schedule_knobs) -> Iterator[tuple[StepDecision, str]]:
-    """(decision, step_kind) for each of the first `steps` 0/1 Adam steps.
-
-    Drives a fresh ZeroOneSchedule with lr_schedule(t), exactly what ZeroOneAdam does when its
-    group lr follows the schedule, so plan and optimizer cannot disagree on the schedule.
-    `schedule_knobs` are ZeroOneSchedule's keyword arguments (its defaults are the optimizer's)."""
-    schedule = ZeroOneSchedule(**schedule_knobs)
-    advance = schedule.advance
-    for t in range(steps):
-        decision = advance(lr_schedule(t))
-        yield decision, step_kind(decision)
 
 
 def onebit_call_bytes(num_params: int, world_size: int) -> int:
@@ -66,20 +37,7 @@ def onebit_call_bytes(num_params: int, world_size: int) -> int:
     return 2 * (world_size - 1) * onebit_layout(num_params, world_size).segment
 
 
-def _summary(
-    *,
-    steps: int,
-    num_params: int,
-    world_size: int,
-    allreduce_bits: int,
-    fp_allreduces: int,
-    onebit_allreduces: int,
-    rounds: int,
-    syncs: int,
-    variance_updates: int,
-    bandwidth_bytes_per_s: float,
-    latency_s: float,
-) -> dict:
+def _summary(counts: PlanCounts, *, steps: int, num_params: int, world_size: int, allreduce_bits: int, bandwidth_bytes_per_s: float, latency_s: float) -> dict:
     """Totals of one optimizer from its counts of full-precision and 1-bit allreduces."""
     n = world_size
     fp_bytes = ring_allreduce_bytes(num_params, allreduce_bits // 8, n)
@@ -87,18 +45,19 @@ def _summary(
     messages = 2 * (n - 1)  # per ring allreduce, and per 1-bit call (two passes of n-1)
     fp_time = messages * latency_s + fp_bytes / bandwidth_bytes_per_s if n > 1 else 0.0
     ob_time = messages * latency_s + ob_bytes / bandwidth_bytes_per_s if n > 1 else 0.0
-    nominal_bits = fp_allreduces * allreduce_bits + onebit_allreduces
+    fp, ob = counts.fp_allreduces, counts.onebit_allreduces
     return {
         "steps": steps,
-        "bits_per_param": nominal_bits / steps if steps else 0.0,
-        "rounds": rounds,
-        "syncs": syncs,
-        "variance_updates": variance_updates,
-        "fp_allreduces": fp_allreduces,
-        "onebit_allreduces": onebit_allreduces,
-        "collective_calls": fp_allreduces + 2 * onebit_allreduces if n > 1 else 0,
-        "bytes_per_rank": fp_allreduces * fp_bytes + onebit_allreduces * ob_bytes,
-        "comm_time_s": fp_allreduces * fp_time + onebit_allreduces * ob_time,
+        "bits_per_param": (fp * allreduce_bits + ob) / steps if steps else 0.0,
+        "rounds": counts.rounds,
+        "syncs": counts.syncs,
+        "variance_updates": counts.variance_updates,
+        "fp_allreduces": fp,
+        "onebit_allreduces": ob,
+        "collective_calls": fp + 2 * ob if n > 1 else 0,
+        "bytes_per_rank": fp * fp_bytes + ob * ob_bytes,
+        "comm_time_s": fp * fp_time + ob * ob_time,
+        **counts.extra,
     }
 
 
@@ -108,63 +67,44 @@ def plan(
     world_size: int,
     num_params: int,
     *,
-    freeze_step: int = 100_000,
     allreduce_bits: int = 32,
     bandwidth_bytes_per_s: float,
     latency_s: float,
     betas: tuple[float, float] = (0.9, 0.999),
-    **schedule_knobs,
+    **knobs,
 ) -> dict[str, dict]:
-    """Per optimizer name ("adam", "onebit_adam", "zero_one_adam"), the run's communication totals.
+    """Per registered optimizer name, the run's communication totals.
 
     Each value holds bits_per_param (nominal, averaged over steps), rounds, syncs, variance_updates
-    (|T_v|), fp_allreduces, onebit_allreduces, collective_calls, bytes_per_rank and comm_time_s;
-    zero_one_adam adds variance_update_bound (the paper's log(1-b1)/log(b2)) and max_interval.
-    Defaults of the schedule knobs are those of ZeroOneAdam and OneBitAdam."""
+    (|T_v|), fp_allreduces, onebit_allreduces, collective_calls, bytes_per_rank and comm_time_s, and
+    whatever its registry entry adds (zero_one_adam: variance_update_bound, the paper's
+    log(1-b1)/log(b2), and max_interval). `knobs` are optimizer knobs by name, as in a recipe's
+    optimizer section; each optimizer takes its own, and the library's defaults stand for the rest."""
     _check(steps >= 0, f"steps must be >= 0, got {steps}.")
     _check(world_size >= 1, f"world size must be at least 1, got {world_size}.")
     _check(num_params >= 1, f"the number of parameters must be at least 1, got {num_params}.")
-    _check(freeze_step >= 0, f"freeze_step must be >= 0, got {freeze_step}.")
     _check(allreduce_bits in ALLREDUCE_BITS, f"allreduce bits must be 16 or 32, got {allreduce_bits}.")
     _check(bandwidth_bytes_per_s > 0 and math.isfinite(bandwidth_bytes_per_s), f"bandwidth must be a positive number of bytes/s, got {bandwidth_bytes_per_s}.")
     _check(latency_s >= 0 and math.isfinite(latency_s), f"latency must be a non-negative number of seconds, got {latency_s}.")
-    common = dict(
-        steps=steps,
-        num_params=num_params,
-        world_size=world_size,
-        allreduce_bits=allreduce_bits,
-        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
-        latency_s=latency_s,
-    )
-    result = {
-        "adam": _summary(fp_allreduces=steps, onebit_allreduces=0, rounds=steps, syncs=steps, variance_updates=steps, **common)
-    }
-    warmup = min(freeze_step, steps)
-    result["onebit_adam"] = _summary(
-        fp_allreduces=warmup, onebit_allreduces=steps - warmup, rounds=steps, syncs=steps, variance_updates=warmup, **common
-    )
-
-    kinds = {FULL_PRECISION: 0, ONE_BIT: 0, LOCAL: 0}
-    max_interval = 0
-    try:
-        decisions = zero_one_step_kinds(steps, lr_schedule, **schedule_knobs)
-        for decision, kind in decisions:
-            kinds[kind] += 1
-            if decision.interval > max_interval:
-                max_interval = decision.interval
-    except ValueError as e:  # the schedule's own validation of its knobs
-        raise UserError(f"{e}.") from e
-    synced = kinds[FULL_PRECISION] + kinds[ONE_BIT]
-    result["zero_one_adam"] = _summary(
-        fp_allreduces=kinds[FULL_PRECISION],
-        onebit_allreduces=kinds[ONE_BIT],
-        rounds=synced,
-        syncs=synced,
-        variance_updates=kinds[FULL_PRECISION],
-        **common,
-    )
-    result["zero_one_adam"]["variance_update_bound"] = variance_update_bound(*betas)
-    result["zero_one_adam"]["max_interval"] = max_interval
+    unknown = set(knobs) - {f.name for f in registry.knob_fields()}
+    _check(not unknown, f"no optimizer has the knob {', '.join(sorted(unknown))}.")
+    for spec in map(registry.get, registry.names()):
+        for name, check in spec.checks.items():
+            problem = name in knobs and check(knobs[name])
+            _check(not problem, f"{name} {problem}, got {knobs.get(name)}.")
+    result = {}
+    for name in registry.names():
+        spec = registry.get(name)
+        context = PlanContext(steps, lr_schedule, world_size, num_params, allreduce_bits, betas, spec.knobs_from(knobs))
+        result[name] = _summary(
+            spec.plan(context),
+            steps=steps,
+            num_params=num_params,
+            world_size=world_size,
+            allreduce_bits=allreduce_bits,
+            bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+            latency_s=latency_s,
+        )
     return result
 
 
@@ -243,17 +183,12 @@ def _ratio(value: float, base: float) -> str:
 
 
 def format_plan(result: dict[str, dict]) -> Table:
-    """The three optimizers side by side, with ratios against Adam, for the CLI to print."""
-    names = [name for name in OPTIMIZERS if name in result]
-    zoa = result.get("zero_one_adam", {})
+    """The optimizers side by side, with ratios against Adam, for the CLI to print."""
+    names = [name for name in registry.names() if name in result]
     title = f"Communication plan, {result[names[0]]['steps']:,} steps"
-    caption = None
-    if zoa:
-        caption = (
-            f"0/1 Adam: |T_v| {zoa['variance_updates']:,} (bound log(1-b1)/log(b2) = {zoa['variance_update_bound']:,.0f}), "
-            f"largest sync interval {zoa['max_interval']}"
-        )
-    base = result.get("adam")
+    notes = [spec.plan_note(result[spec.name]) for spec in map(registry.get, names) if spec.plan_note is not None]
+    caption = "; ".join(notes) or None
+    base = result.get(registry.BASELINE)
     rows = [
         ("|T_v| (variance updates)", lambda r: f"{r['variance_updates']:,}"),
         ("rounds", lambda r: f"{r['rounds']:,}"),
@@ -277,7 +212,7 @@ def optimizer_table(title: str, caption: str | None, columns: list[tuple[str, di
     table = Table(title=title, caption=caption)
     table.add_column("")
     for name, _ in columns:
-        table.add_column(TITLES[name], justify="right")
+        table.add_column(registry.get(name).title, justify="right")
     for label, cell in lines:
         table.add_row(label, *(cell(record) for _, record in columns))
     return table

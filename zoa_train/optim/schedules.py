@@ -55,6 +55,11 @@ class ZeroOneSchedule:
         if self.var_freeze_step < 1:  # step 0 must update v, or every denominator stays infinite
             raise ValueError(f"var_freeze_step must be at least 1, got {self.var_freeze_step}")
 
+    @property
+    def max_interval(self) -> int:
+        """The longest sync interval this schedule can give: local steps between two syncs, plus one."""
+        return self.local_step_interval if self.local_steps == "fixed" else self.local_step_clip
+
     def interval(self, lr: float) -> int:
         """Sync interval at the current step for learning rate `lr` (does not advance)."""
         t = self.step

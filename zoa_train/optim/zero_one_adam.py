@@ -42,10 +42,10 @@ import copy
 
 import torch
 
-from zoa_train.comm.onebit import SCALE_ROW
+from zoa_train.comm import CollectiveFactory, OneBitAllReduce
 from zoa_train.optim.base import DataParallelOptimizer
 from zoa_train.optim.schedules import ZeroOneSchedule
-from zoa_train.runs import VARIANCE
+from zoa_train.step_kinds import VARIANCE
 
 
 class ZeroOneAdam(DataParallelOptimizer):
@@ -65,13 +65,13 @@ class ZeroOneAdam(DataParallelOptimizer):
         local_step_interval: int = ZeroOneSchedule.local_step_interval,
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
-        scale_row: int = SCALE_ROW,
+        collective: CollectiveFactory = OneBitAllReduce,
         update_clip: float | None = 1.0,
     ):
         if update_clip is not None and not update_clip > 0:
             raise ValueError(f"update_clip must be positive or None, got {update_clip}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, update_clip=update_clip)
-        super().__init__(params, defaults, process_group, allreduce_dtype, scale_row)
+        super().__init__(params, defaults, process_group, allreduce_dtype, collective)
         self.schedule = ZeroOneSchedule(
             var_freeze_step=var_freeze_step,
             var_update_scaler=var_update_scaler,
@@ -102,6 +102,10 @@ class ZeroOneAdam(DataParallelOptimizer):
     @property
     def parameters_differ(self) -> bool:
         return self.schedule.steps_since_sync > 0
+
+    @property
+    def max_steps_apart(self) -> int:
+        return max(1, self.schedule.max_interval)  # a rank may take a whole period of local steps ahead
 
     def next_step_communicates(self) -> bool:
         return copy.copy(self.schedule).advance(self._lead_lr()).sync  # decided on a copy: nothing advances
@@ -151,7 +155,7 @@ class ZeroOneAdam(DataParallelOptimizer):
             scalars["lr_sum"] += step_size
             scalars["decay"] *= 1 - lr * wd
             if decision.sync:  # this step's displacement goes straight into w
-                self._accumulator(index).addcdiv_(numerator, denom, value=step_size)
+                self.collective.accumulators[index].addcdiv_(numerator, denom, value=step_size)
             else:  # a local step: Adam's step with the frozen d; the sync applies the weight decay
                 torch._foreach_addcdiv_(params, flat.views(numerator), flat.views(denom), value=-step_size)
         if decision.sync and not decision.variance_update:
@@ -182,8 +186,8 @@ class ZeroOneAdam(DataParallelOptimizer):
             for index, (flat, buffers) in enumerate(zip(self._flat, self._buffers)):
                 if flat.numel:
                     displacement = torch._foreach_sub(flat.views(buffers["anchor"]), flat.params)
-                    torch._foreach_add_(flat.views(self._accumulator(index)), displacement)
-        self._exchange([buffers["exp_avg"] for buffers in self._buffers])  # m <- w_bar, the averaged displacement
+                    torch._foreach_add_(flat.views(self.collective.accumulators[index]), displacement)
+        self.collective.exchange([buffers["exp_avg"] for buffers in self._buffers])  # m <- w_bar, the averaged displacement
         for index, flat in enumerate(self._flat):
             if flat.numel:
                 self._finish_sync(index)

@@ -6,7 +6,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zoa_train.train.precision import autocast
+from zoa_train.precision import autocast
+
+# data.source values that name image sets: the image task reads them, the language tasks refuse them.
+IMAGE_SOURCES = ("digits", "folder")
 
 
 class Task:

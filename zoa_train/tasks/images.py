@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from zoa_train.errors import UserError
-from zoa_train.tasks.base import Task
+from zoa_train.tasks.base import IMAGE_SOURCES, Task
 
-IMAGE_SOURCES = ("digits", "folder")
 IMAGENET_CLASSES = 1000  # what `plan` counts for a folder it has not scanned
 DIGITS_CLASSES = 10
 

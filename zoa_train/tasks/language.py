@@ -6,9 +6,7 @@ from pathlib import Path
 import torch
 
 from zoa_train.errors import UserError
-from zoa_train.tasks.base import Task
-
-IMAGE_SOURCES = ("digits", "folder")
+from zoa_train.tasks.base import IMAGE_SOURCES, Task
 
 
 class LanguageTask(Task):

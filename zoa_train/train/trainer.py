@@ -5,7 +5,8 @@ under `torchrun --nproc-per-node N -m zoa_train.cli run RECIPE` or `srun zoa-tra
 each process is one rank and joins the group its launcher describes. Either way every rank
 prepares the run directory the same way (train/rundir.py).
 
-The trainer knows neither the task (zoa_train/tasks) nor the optimizer (train/optimizers.py).
+The trainer knows neither the task (zoa_train/tasks) nor the optimizer (zoa_train/optim/registry.py
+builds it; the trainer drives it as a TrainingOptimizer).
 Gradient clipping uses each rank's own gradient norm: with the 1-bit optimizers gradients are never
 averaged in full precision, and a global norm would cost a full-precision allreduce every step.
 """
@@ -27,11 +28,11 @@ from zoa_train.config import Recipe, check_batch_layout, recipe_from_dict
 from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import init_process_group, restart_count, threads_per_rank
 from zoa_train.errors import UserError
-from zoa_train.optim import LRSchedule
+from zoa_train.optim import registry
 from zoa_train.tasks import build_task
 from zoa_train.train.metrics import MetricsLogger
-from zoa_train.train.optimizers import build_optimizer
-from zoa_train.train.precision import LossScaler, autocast
+from zoa_train.precision import autocast
+from zoa_train.train.loss_scaling import LossScaler
 from zoa_train.train.rundir import RunDirectory, complete_checkpoints, read_marker
 
 log = logging.getLogger(__name__)
@@ -140,11 +141,6 @@ def rank_seed(seed: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1)
 
 
-def lr_schedule(recipe: Recipe) -> LRSchedule:
-    s = recipe.schedule
-    return LRSchedule(s.name, recipe.optimizer.lr, s.warmup_steps, s.decay_factor, s.decay_every, s.min_lr, recipe.train.steps)
-
-
 class Trainer:
     def __init__(self, recipe: Recipe, run_dir: Path, resume: str | None = None, overwrite: bool = False, reshard: bool = False):
         self.recipe = recipe
@@ -173,9 +169,9 @@ class Trainer:
         # From here on each rank draws its own dropout masks (the same masks on every rank would
         # correlate the ranks' gradients); the RNG states are in the checkpoint, so resume is exact.
         torch.manual_seed(rank_seed(t.seed, self.rank))
-        self.opt = build_optimizer(recipe, self.model, self.device, self.world)
+        self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world)
         self.ledger = self.opt.ledger
-        self.scheduler = lr_schedule(recipe).scheduler(self.opt.optimizer)
+        self.scheduler = recipe.lr_schedule().scheduler(self.opt.optimizer)
         self.scaler = LossScaler(t.precision == "fp16", self.device)
         self.step = 0
         self.wall_offset = 0.0
@@ -305,9 +301,7 @@ class Trainer:
             return self.stop_at
         store = _store()
         if self.stop_requested:
-            o = self.recipe.optimizer
-            lead = o.local_step_clip if o.name == "zero_one_adam" else 1
-            proposal = self.step + lead + 1
+            proposal = self.step + self.opt.max_steps_apart + 1
             if store is None:
                 self.stop_at = proposal
             else:

@@ -1,16 +1,13 @@
-"""The optimizer a run trains with, built from the recipe in one place, behind one interface.
+"""What a training loop needs of an optimizer, declared once, and the two ways of meeting it.
 
-`build_optimizer(recipe, model, device)` returns either
-  DDPAdam           `adam`: DDP with Adam on top (AdamW, or without bias correction the same math
-                    as the 1-bit optimizers), the baseline users would run; DDP communicates
-                    during backward, overlapped with it, and this object records it
-  SelfSyncing       `onebit_adam`, `zero_one_adam`: the model is not wrapped in DDP, the
-                    optimizer communicates
-Both expose what the trainer needs and nothing about which they are: `module` (what the forward
-pass runs), `optimizer` (for the lr scheduler), `ledger`, `no_sync()`, `step() -> step kind`,
-`variance_updates`, `parameters_differ`, `next_step_communicates()`, `synchronize()` (parameters and statistics, ending any
-local steps), `average_statistics()` (statistics only: never changes training), and state dicts split into what is the
-same on every rank (saved once) and what is each rank's own.
+`TrainingOptimizer` is the interface the trainer (and any loop that trains data-parallel) uses,
+without knowing which optimizer it drives. Two wrappers implement it:
+  DDPAdam      `adam`: the model wrapped in DDP (bucketed allreduce overlapped with backward) with
+               Adam on top (AdamW, or without bias correction the same math as the 1-bit
+               optimizers), the baseline users would run; this object records DDP's traffic
+  SelfSyncing  an optimizer that communicates itself (`onebit_adam`, `zero_one_adam`): the model
+               is not wrapped in DDP
+The registry (zoa_train/optim/registry.py) builds one of them for each optimizer name.
 
 Unsupported with the 1-bit optimizers, refused by SelfSyncing in one sentence (a UserError) rather
 than silently mis-trained: a module that makes sparse gradients (nn.Embedding/EmbeddingBag with
@@ -27,15 +24,62 @@ checkpoints). Under DDP they keep DDP's behaviour (rank 0's buffers broadcast at
 """
 
 import contextlib
+from typing import ContextManager, Protocol
 
 import torch
 
 from zoa_train.comm import CommLedger, ring_allreduce_bytes
-from zoa_train.config import Recipe
 from zoa_train.errors import UserError
-from zoa_train.optim import DataParallelAdam, DataParallelOptimizer, OneBitAdam, ZeroOneAdam
-from zoa_train.runs import FULL
-from zoa_train.train.precision import DTYPES
+from zoa_train.optim.adam import DataParallelAdam
+from zoa_train.optim.base import DataParallelOptimizer
+from zoa_train.step_kinds import FULL
+
+
+class TrainingOptimizer(Protocol):
+    """An optimizer as a data-parallel training loop drives it, whoever communicates."""
+
+    module: torch.nn.Module  # what the forward pass runs: the model, or DDP around it
+    optimizer: torch.optim.Optimizer  # its param_groups carry the lr an lr scheduler sets
+    ledger: CommLedger  # what was sent, step by step
+
+    def no_sync(self) -> ContextManager:
+        """A context for the backward passes of all micro-batches but the last (gradient accumulation)."""
+
+    def step(self) -> str:
+        """One optimizer step on the gradients of this rank; returns its kind (zoa_train.step_kinds)."""
+
+    @property
+    def variance_updates(self) -> int:
+        """Steps so far that updated Adam's second moment."""
+
+    @property
+    def parameters_differ(self) -> bool:
+        """Whether the ranks' parameters differ now (0/1 Adam inside a local-step period)."""
+
+    @property
+    def max_steps_apart(self) -> int:
+        """The most steps one rank can be ahead of another (what an agreed stop step must allow for)."""
+
+    def next_step_communicates(self) -> bool:
+        """Whether the coming step() communicates (a small collective may then ride on it)."""
+
+    def synchronize(self) -> None:
+        """Make parameters and statistics identical on every rank now, ending any local steps."""
+
+    def average_statistics(self) -> None:
+        """Average buffers such as BatchNorm's running statistics; never changes training."""
+
+    def shared_state_dict(self) -> dict:
+        """The state that is the same on every rank: saved once."""
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own state (error buffers, local-step state): saved by every rank."""
+
+    def load_state_dicts(self, shared: dict, rank: dict) -> None:
+        """Restore both parts saved at the same world size; ValueError for another optimizer's state."""
+
+    def load_resharded(self, shared: dict) -> None:
+        """Continue a shared state saved at another world size (--reshard)."""
 
 
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
@@ -61,29 +105,40 @@ class DDPAdam:
     one-rank group (the gradients are already averaged, so it only does the math, the same math
     as the 1-bit optimizers)."""
 
-    def __init__(self, model: torch.nn.Module, recipe: Recipe, device: torch.device, world_size: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        device: torch.device,
+        world_size: int,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        bias_correction: bool,
+        allreduce_dtype: torch.dtype | None,
+    ):
         import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
-        o = recipe.optimizer
         self.module = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             gradient_as_bucket_view=True,
             broadcast_buffers=bool(batchnorm_statistics(model)),
         )
-        self.comm_dtype = DTYPES[o.allreduce_dtype]
+        self.comm_dtype = allreduce_dtype
         hook = {torch.float16: default_hooks.fp16_compress_hook, torch.bfloat16: default_hooks.bf16_compress_hook}.get(self.comm_dtype)
         if hook:
             self.module.register_comm_hook(None, hook)
-        groups = parameter_groups(model, o.weight_decay)
-        if o.bias_correction:
+        groups = parameter_groups(model, weight_decay)
+        if bias_correction:
             fused = device.type == "cuda"
-            self.optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=fused, foreach=not fused)
+            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused, foreach=not fused)
         else:
             own, _ = dist.new_subgroups(group_size=1)  # a collective: every rank makes its one-rank group
-            self.optimizer = DataParallelAdam(groups, lr=o.lr, betas=o.betas, eps=o.eps, bias_correction=False, process_group=own)
+            self.optimizer = DataParallelAdam(groups, lr=lr, betas=betas, eps=eps, bias_correction=False, process_group=own)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.ledger = CommLedger(num_params=self.num_params)
         self.world_size = world_size
@@ -107,6 +162,7 @@ class DDPAdam:
         return self.steps
 
     parameters_differ = False
+    max_steps_apart = 1  # DDP's allreduce in every backward keeps the ranks in step
 
     def next_step_communicates(self) -> bool:
         return True  # DDP allreduces every step's gradients
@@ -137,6 +193,9 @@ class DDPAdam:
 
 
 class SelfSyncing:
+    """An optimizer that does its own data-parallel communication (a DataParallelOptimizer), driving
+    the model itself: no DDP wrapper. `name` is how its messages call it (the recipe's name)."""
+
     def __init__(self, model: torch.nn.Module, optimizer: DataParallelOptimizer, name: str = "this optimizer"):
         self.module = model
         self.optimizer = optimizer
@@ -182,6 +241,10 @@ class SelfSyncing:
     def parameters_differ(self) -> bool:
         return self.optimizer.parameters_differ
 
+    @property
+    def max_steps_apart(self) -> int:
+        return self.optimizer.max_steps_apart
+
     def next_step_communicates(self) -> bool:
         return self.optimizer.next_step_communicates()
 
@@ -202,50 +265,4 @@ class SelfSyncing:
         self.optimizer.load_state_dicts(shared, rank)
 
     def load_resharded(self, shared: dict) -> None:
-        """Continue a checkpoint written at another world size (--reshard). m, v and the other flat
-        buffers are identical on every rank at a synchronised step, so they carry over, moved from the
-        old world size's 1-bit layout to this one's; each rank's 1-bit error buffers start at zero.
-        A checkpoint taken inside a 0/1 Adam local-step period (ranks' buffers differ) is refused."""
-        from zoa_train.comm.onebit import SCALE_ROW, onebit_layout
-
-        saved, name = shared.get("zoa"), type(self.optimizer).__name__
-        if saved is None or saved.get("optimizer") != name:
-            raise ValueError(f"this optimizer state is not a {name} state")
-        if saved["buffers"] is None:
-            raise UserError(
-                f"cannot reshard a checkpoint taken inside a 0/1 Adam local-step period (the ranks' parameters and momenta "
-                f"differ there); resume it at its {saved['world_size']} ranks, or reshard one taken at a synchronised step "
-                "(the last step of a run always is)."
-            )
-        fresh = self.optimizer.shared_state_dict()["zoa"]
-        buffers = []
-        for i, group in enumerate(self.optimizer.param_groups):
-            sizes = [p.numel() for p in group["params"]]
-            old, new = onebit_layout(sizes, saved["world_size"], SCALE_ROW), onebit_layout(sizes, self.optimizer.world_size, SCALE_ROW)
-            if old.padded != saved["sizes"][i] or new.padded != fresh["sizes"][i]:
-                raise ValueError(f"the {name} state's layout ({saved['sizes']} elements) is not the one zoa-train would use at {saved['world_size']} ranks")
-            moved = {}
-            for key, flat in saved["buffers"][i].items():
-                out = torch.zeros(new.padded, dtype=flat.dtype)  # padding stays zero, as the optimizer keeps it
-                for n, a, b in zip(sizes, old.offsets, new.offsets):
-                    out[b : b + n] = flat[a : a + n]
-                moved[key] = out
-            buffers.append(moved)
-        resharded = {**shared, "zoa": {**saved, "world_size": fresh["world_size"], "sizes": fresh["sizes"], "buffers": buffers}}
-        self.optimizer.load_state_dicts(resharded, self.optimizer.rank_state_dict())  # this rank's own state as built: zero errors
-
-
-TrainingOptimizer = DDPAdam | SelfSyncing
-
-
-def build_optimizer(recipe: Recipe, model: torch.nn.Module, device: torch.device, world_size: int) -> TrainingOptimizer:
-    o = recipe.optimizer
-    if o.name == "adam":
-        return DDPAdam(model, recipe, device, world_size)
-    groups = parameter_groups(model, o.weight_decay)
-    common = dict(lr=o.lr, betas=o.betas, eps=o.eps, bias_correction=o.bias_correction, allreduce_dtype=DTYPES[o.allreduce_dtype])
-    if o.name == "onebit_adam":
-        optimizer = OneBitAdam(groups, freeze_step=o.freeze_step, **common)
-    else:
-        optimizer = ZeroOneAdam(groups, **o.schedule_knobs(), update_clip=o.update_clip, **common)
-    return SelfSyncing(model, optimizer, o.name)
+        self.optimizer.load_resharded(shared)

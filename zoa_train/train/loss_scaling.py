@@ -1,20 +1,9 @@
-"""Mixed precision: autocast settings and a dynamic loss scaler whose skip decision all ranks share."""
-
-import contextlib
+"""fp16 training: a dynamic loss scaler whose skip decision all ranks share."""
 
 import torch
 import torch.distributed as dist
 
 from zoa_train.comm import ring_allreduce_bytes
-
-DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def autocast(precision: str, device: torch.device):
-    dtype = DTYPES[precision]
-    if dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 class LossScaler:

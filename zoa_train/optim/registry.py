@@ -1,0 +1,318 @@
+"""The optimizers a recipe can name, one OptimizerSpec each: the one place that knows them by name.
+
+Everything that names an optimizer reads this table: the recipe schema (zoa_train/config.py takes
+every spec's knobs as keys of the optimizer section), the factory `create` (what the trainer
+trains with), `plan` (what a whole run would send), `report` and `bench netsim` (titles, colours,
+which optimizers there are). Adding an optimizer is its module, its entry (a `register` call: at
+the end of this file, or in a module of your own that a recipe lists under `imports`), and its tests.
+
+A spec's `build` returns a TrainingOptimizer (zoa_train/optim/training.py): DDPAdam for an optimizer
+that lets DDP average the gradients, SelfSyncing around one that communicates itself. Knob defaults
+are read from the optimizer classes' own signatures, so each default is written once.
+"""
+
+import dataclasses
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from zoa_train import checks
+from zoa_train.checks import Check
+from zoa_train.comm import CollectiveFactory, OneBitAllReduce
+from zoa_train.errors import UserError
+from zoa_train.optim.lr_schedules import LRSchedule
+from zoa_train.optim.onebit_adam import OneBitAdam
+from zoa_train.optim.schedules import LOCAL_STEP_POLICIES, StepDecision, ZeroOneSchedule, variance_update_bound
+from zoa_train.optim.training import DDPAdam, SelfSyncing, TrainingOptimizer, parameter_groups
+from zoa_train.optim.zero_one_adam import ZeroOneAdam
+from zoa_train.precision import DTYPES
+from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
+
+BASELINE = "adam"  # what speed-ups and time to target are measured against
+OTHER_COLOUR = "#8e44ad"  # plots: an optimizer whose spec names no colour
+
+
+def library_default(optimizer: Callable, name: str):
+    """A knob's default as the library defines it (the signature of `optimizer`): never restated."""
+    return inspect.signature(optimizer).parameters[name].default
+
+
+@dataclass
+class SharedKnobs:
+    """The optimizer section's keys that every optimizer takes. Defaults are the library's
+    (zoa_train.optim), which follow the authors' DeepSpeed defaults; docs/algorithm.md ("Defaults")
+    lists them beside the authors' values."""
+
+    lr: float = library_default(ZeroOneAdam, "lr")
+    betas: tuple[float, float] = library_default(ZeroOneAdam, "betas")
+    eps: float = library_default(ZeroOneAdam, "eps")
+    weight_decay: float = library_default(ZeroOneAdam, "weight_decay")
+    bias_correction: bool = library_default(ZeroOneAdam, "bias_correction")
+    allreduce_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # full-precision collectives
+
+
+SHARED_CHECKS: dict[str, Check] = {"lr": checks.positive, "weight_decay": checks.non_negative, "eps": checks.non_negative}
+
+
+@dataclass
+class NoKnobs:
+    """The knobs of an optimizer that has none beyond the shared ones."""
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a spec's `build` gets: the model on its device, the world size, the shared knobs, its own
+    knobs (an instance of its `knobs` dataclass) and the collective its 1-bit rounds use."""
+
+    model: torch.nn.Module
+    device: torch.device
+    world_size: int
+    shared: SharedKnobs
+    knobs: Any
+    collective: CollectiveFactory = OneBitAllReduce
+
+    def parameter_groups(self) -> list[dict]:
+        """Weight decay on matrices and kernels only (zoa_train.optim.training.parameter_groups)."""
+        return parameter_groups(self.model, self.shared.weight_decay)
+
+    def optimizer_kwargs(self) -> dict:
+        """The shared knobs as the library optimizers take them (weight decay is in the groups)."""
+        s = self.shared
+        return dict(lr=s.lr, betas=s.betas, eps=s.eps, bias_correction=s.bias_correction, allreduce_dtype=DTYPES[s.allreduce_dtype])
+
+
+@dataclass(frozen=True)
+class PlanContext:
+    """What a spec's `plan` gets: a run's length, lr schedule, size and ranks, and its knobs."""
+
+    steps: int
+    lr_schedule: LRSchedule
+    world_size: int
+    num_params: int
+    allreduce_bits: int
+    betas: tuple[float, float]
+    knobs: Any
+
+
+@dataclass(frozen=True)
+class PlanCounts:
+    """What a whole run of one optimizer sends, by collective (see zoa_train/optim/plan.py for the bytes)."""
+
+    fp_allreduces: int  # full-precision allreduces of every parameter (allreduce_bits each)
+    onebit_allreduces: int  # 1-bit allreduce calls of every parameter
+    rounds: int  # steps that communicate
+    syncs: int  # steps after which every rank holds the same parameters
+    variance_updates: int  # |T_v|
+    extra: Mapping[str, Any] = field(default_factory=dict)  # more figures, kept in `plan --json`
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    name: str  # optimizer.name in a recipe
+    title: str  # in tables and plots
+    build: Callable[[BuildContext], TrainingOptimizer]
+    plan: Callable[[PlanContext], PlanCounts]
+    knobs: type = NoKnobs  # a dataclass of its own recipe keys in the optimizer section, with defaults
+    checks: Mapping[str, Check] = field(default_factory=dict)  # knob -> constraint
+    plan_note: Callable[[dict], str] | None = None  # a line under the plan table, from its plan record
+    colour: str = OTHER_COLOUR
+
+    def knobs_from(self, values: object | Mapping) -> Any:
+        """Its knobs taken from an object (a recipe's optimizer section) or a mapping; missing ones keep their defaults."""
+        get = values.get if isinstance(values, Mapping) else lambda name, default: getattr(values, name, default)
+        return self.knobs(**{f.name: get(f.name, f.default) for f in dataclasses.fields(self.knobs)})
+
+
+_SPECS: dict[str, OptimizerSpec] = {}
+
+
+def register(spec: OptimizerSpec) -> OptimizerSpec:
+    """Add an optimizer. Its knobs join the optimizer section of every recipe, so a knob of the same
+    name as another optimizer's must mean the same (type and default), and none may be a shared one."""
+    if not dataclasses.is_dataclass(spec.knobs):
+        raise TypeError(f"the knobs of optimizer {spec.name!r} must be a dataclass")
+    if _SPECS.get(spec.name, spec) is not spec:
+        raise ValueError(f"an optimizer named {spec.name!r} is registered already")
+    known = {f.name: (f.type, f.default) for f in knob_fields()}
+    for f in dataclasses.fields(spec.knobs):
+        if f.name in ("name", *(s.name for s in dataclasses.fields(SharedKnobs))):
+            raise ValueError(f"optimizer {spec.name!r}: its knob {f.name} is a key every optimizer has already")
+        if f.name in known and known[f.name] != (f.type, f.default):
+            raise ValueError(f"optimizer {spec.name!r}: knob {f.name} has another type or default than another optimizer's")
+    unknown = set(spec.checks) - {f.name for f in dataclasses.fields(spec.knobs)}
+    if unknown:
+        raise ValueError(f"optimizer {spec.name!r} checks knobs it does not have: {', '.join(sorted(unknown))}")
+    _SPECS[spec.name] = spec
+    return spec
+
+
+def names() -> tuple[str, ...]:
+    """The registered optimizer names, in the order they were registered."""
+    return tuple(_SPECS)
+
+
+def get(name: str) -> OptimizerSpec:
+    try:
+        return _SPECS[name]
+    except KeyError:
+        raise UserError(f"unknown optimizer {name!r}; the registered ones are {', '.join(_SPECS)}.") from None
+
+
+def find(name: str) -> OptimizerSpec | None:
+    """The spec of `name`, or None (e.g. a run of an optimizer whose module this process has not imported)."""
+    return _SPECS.get(name)
+
+
+def knob_fields() -> list[dataclasses.Field]:
+    """Every registered optimizer's own knobs, each once, in registration order."""
+    seen: dict[str, dataclasses.Field] = {}
+    for spec in _SPECS.values():
+        for f in dataclasses.fields(spec.knobs):
+            seen.setdefault(f.name, f)
+    return list(seen.values())
+
+
+def knob_values(section: object) -> dict:
+    """Every registered knob's value in a recipe's optimizer section (for `plan`, which plans them all)."""
+    return {f.name: getattr(section, f.name) for f in knob_fields()}
+
+
+def create(section, model: torch.nn.Module, device: torch.device, world_size: int, collective: CollectiveFactory = OneBitAllReduce) -> TrainingOptimizer:
+    """The TrainingOptimizer a recipe's optimizer section names (timm's create_optimizer, by recipe)."""
+    spec = get(section.name)
+    return spec.build(BuildContext(model, device, world_size, section, spec.knobs_from(section), collective))
+
+
+def import_modules(modules: Iterable[str], origin: str) -> None:
+    """Import modules that register optimizers (a recipe's `imports`); one sentence if one cannot be."""
+    import importlib
+
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # noqa: BLE001 -- whatever the module raises, the recipe cannot be used
+            raise UserError(f"{origin}: imports: module {module} could not be imported ({type(e).__name__}: {e}).") from None
+
+
+# ---- the built-in optimizers ------------------------------------------------------------------------
+
+
+def _build_adam(ctx: BuildContext) -> TrainingOptimizer:
+    s = ctx.shared
+    return DDPAdam(ctx.model, ctx.device, ctx.world_size, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay,
+                   bias_correction=s.bias_correction, allreduce_dtype=DTYPES[s.allreduce_dtype])  # fmt: skip
+
+
+def _plan_adam(ctx: PlanContext) -> PlanCounts:
+    return PlanCounts(fp_allreduces=ctx.steps, onebit_allreduces=0, rounds=ctx.steps, syncs=ctx.steps, variance_updates=ctx.steps)
+
+
+register(OptimizerSpec("adam", "Adam", _build_adam, _plan_adam, colour="#444444"))
+
+
+@dataclass
+class OneBitAdamKnobs:
+    freeze_step: int = library_default(OneBitAdam, "freeze_step")  # full-precision warm-up steps
+
+
+def _build_onebit_adam(ctx: BuildContext) -> TrainingOptimizer:
+    optimizer = OneBitAdam(ctx.parameter_groups(), freeze_step=ctx.knobs.freeze_step, collective=ctx.collective, **ctx.optimizer_kwargs())
+    return SelfSyncing(ctx.model, optimizer, "onebit_adam")
+
+
+def _plan_onebit_adam(ctx: PlanContext) -> PlanCounts:
+    """Full precision for t < freeze_step, then one 1-bit allreduce per step."""
+    warmup = min(ctx.knobs.freeze_step, ctx.steps)
+    return PlanCounts(fp_allreduces=warmup, onebit_allreduces=ctx.steps - warmup, rounds=ctx.steps, syncs=ctx.steps, variance_updates=warmup)
+
+
+register(
+    OptimizerSpec("onebit_adam", "1-bit Adam", _build_onebit_adam, _plan_onebit_adam, OneBitAdamKnobs, {"freeze_step": checks.positive}, colour="#e07b00")
+)
+
+
+@dataclass
+class ZeroOneAdamKnobs:
+    var_freeze_step: int = library_default(ZeroOneAdam, "var_freeze_step")  # the last step that may update the variance
+    var_update_scaler: int = library_default(ZeroOneAdam, "var_update_scaler")  # kappa: variance-update gaps double every kappa updates
+    local_steps: Literal[LOCAL_STEP_POLICIES] = library_default(ZeroOneAdam, "local_steps")  # what sets the sync interval
+    local_step_clip: int = library_default(ZeroOneAdam, "local_step_clip")  # H: the largest sync interval
+    local_step_scaler: int = library_default(ZeroOneAdam, "local_step_scaler")  # "steps" policy: steps per doubling of the interval
+    local_step_interval: int = library_default(ZeroOneAdam, "local_step_interval")  # "fixed" policy
+    # the largest RMS of a tensor's m/d on steps with a stale v; null: none
+    update_clip: float | None = library_default(ZeroOneAdam, "update_clip")
+
+    def schedule_knobs(self) -> dict:
+        """The ZeroOneSchedule keyword arguments among them."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "update_clip"}
+
+
+def _build_zero_one_adam(ctx: BuildContext) -> TrainingOptimizer:
+    optimizer = ZeroOneAdam(ctx.parameter_groups(), **dataclasses.asdict(ctx.knobs), collective=ctx.collective, **ctx.optimizer_kwargs())
+    return SelfSyncing(ctx.model, optimizer, "zero_one_adam")
+
+
+def zero_one_step_kinds(steps: int, lr_schedule: LRSchedule, **schedule_knobs) -> Iterator[tuple[StepDecision, str]]:
+    """(decision, step kind) for each of the first `steps` 0/1 Adam steps: a variance step (the
+    full-precision gradient average is the sync, no 1-bit round), any other sync (one 1-bit round),
+    a local step; ZeroOneAdam._step's branches.
+
+    Drives a fresh ZeroOneSchedule of `schedule_knobs` (its keyword arguments; its defaults are the
+    optimizer's) with lr_schedule(t), exactly what ZeroOneAdam does when its group lr follows the
+    schedule, so plan and optimizer cannot disagree."""
+    schedule = ZeroOneSchedule(**schedule_knobs)
+    for t in range(steps):
+        decision = schedule.advance(lr_schedule(t))
+        yield decision, VARIANCE if decision.variance_update else ONEBIT if decision.sync else LOCAL
+
+
+def _plan_zero_one_adam(ctx: PlanContext) -> PlanCounts:
+    kinds = {VARIANCE: 0, ONEBIT: 0, LOCAL: 0}
+    max_interval = 0
+    try:
+        decisions = zero_one_step_kinds(ctx.steps, ctx.lr_schedule, **ctx.knobs.schedule_knobs())
+        for decision, kind in decisions:
+            kinds[kind] += 1
+            max_interval = max(max_interval, decision.interval)
+    except ValueError as e:  # the schedule's own validation of its knobs
+        raise UserError(f"{e}.") from e
+    synced = kinds[VARIANCE] + kinds[ONEBIT]
+    return PlanCounts(
+        fp_allreduces=kinds[VARIANCE],
+        onebit_allreduces=kinds[ONEBIT],
+        rounds=synced,
+        syncs=synced,
+        variance_updates=kinds[VARIANCE],
+        extra={"variance_update_bound": variance_update_bound(*ctx.betas), "max_interval": max_interval},
+    )
+
+
+def _note_zero_one_adam(record: dict) -> str:
+    return (
+        f"0/1 Adam: |T_v| {record['variance_updates']:,} (bound log(1-b1)/log(b2) = {record['variance_update_bound']:,.0f}), "
+        f"largest sync interval {record['max_interval']}"
+    )
+
+
+register(
+    OptimizerSpec(
+        "zero_one_adam",
+        "0/1 Adam",
+        _build_zero_one_adam,
+        _plan_zero_one_adam,
+        ZeroOneAdamKnobs,
+        {
+            "var_freeze_step": checks.positive,
+            "var_update_scaler": checks.positive,
+            "local_step_clip": checks.positive,
+            "local_step_scaler": checks.positive,
+            "local_step_interval": checks.positive,
+            "update_clip": checks.positive_or_null,
+        },
+        _note_zero_one_adam,
+        colour="#1f6fc0",
+    )
+)
