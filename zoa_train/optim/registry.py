@@ -6,7 +6,7 @@ trains with), `plan` (what a whole run would send), `report` and `bench netsim` 
 which optimizers there are). Adding an optimizer is its module, its entry (a `register` call: at
 the end of this file, or in a module of your own that a recipe lists under `imports`), and its tests.
 
-A spec's `build` returns a TrainingOptimizer (zoa_train/optim/training.py): DDPAdam for an optimizer
+A spec's `build` returns a TrainingOptimizer (zoa_train/optim/training.py): DDPBacked for an optimizer
 that lets DDP average the gradients, SelfSyncing around one that communicates itself. Knob defaults
 are read from the optimizer classes' own signatures, so each default is written once.
 """
@@ -18,15 +18,17 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from zoa_train import checks
 from zoa_train.checks import Check
 from zoa_train.comm import CollectiveFactory, OneBitAllReduce
 from zoa_train.errors import UserError
+from zoa_train.optim.adam import DataParallelAdam
 from zoa_train.optim.lr_schedules import LRSchedule
 from zoa_train.optim.onebit_adam import OneBitAdam
 from zoa_train.optim.schedules import LOCAL_STEP_POLICIES, StepDecision, ZeroOneSchedule, variance_update_bound
-from zoa_train.optim.training import DDPAdam, SelfSyncing, TrainingOptimizer, parameter_groups
+from zoa_train.optim.training import DDPBacked, SelfSyncing, TrainingOptimizer, parameter_groups
 from zoa_train.optim.zero_one_adam import ZeroOneAdam
 from zoa_train.precision import DTYPES
 from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
@@ -201,9 +203,19 @@ def import_modules(modules: Iterable[str], origin: str) -> None:
 
 
 def _build_adam(ctx: BuildContext) -> TrainingOptimizer:
+    """What users run: DDP with torch.optim.AdamW (fused on CUDA) on top, which always corrects bias;
+    without bias correction DataParallelAdam over a one-rank group (DDP has averaged the gradients, so
+    it only does the math, the same math as the 1-bit optimizers)."""
     s = ctx.shared
-    return DDPAdam(ctx.model, ctx.device, ctx.world_size, lr=s.lr, betas=s.betas, eps=s.eps, weight_decay=s.weight_decay,
-                   bias_correction=s.bias_correction, allreduce_dtype=DTYPES[s.allreduce_dtype])  # fmt: skip
+
+    def adam(groups: list[dict]) -> torch.optim.Optimizer:
+        if s.bias_correction:
+            fused = ctx.device.type == "cuda"
+            return torch.optim.AdamW(groups, lr=s.lr, betas=s.betas, eps=s.eps, fused=fused, foreach=not fused)
+        own, _ = dist.new_subgroups(group_size=1)  # a collective: every rank makes its one-rank group
+        return DataParallelAdam(groups, lr=s.lr, betas=s.betas, eps=s.eps, bias_correction=False, process_group=own)
+
+    return DDPBacked(ctx.model, ctx.device, ctx.world_size, adam, name="adam", weight_decay=s.weight_decay, allreduce_dtype=DTYPES[s.allreduce_dtype])
 
 
 def _plan_adam(ctx: PlanContext) -> PlanCounts:

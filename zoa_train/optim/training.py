@@ -2,9 +2,9 @@
 
 `TrainingOptimizer` is the interface the trainer (and any loop that trains data-parallel) uses,
 without knowing which optimizer it drives. Two wrappers implement it:
-  DDPAdam      `adam`: the model wrapped in DDP (bucketed allreduce overlapped with backward) with
-               Adam on top (AdamW, or without bias correction the same math as the 1-bit
-               optimizers), the baseline users would run; this object records DDP's traffic
+  DDPBacked    the model wrapped in DDP (bucketed allreduce overlapped with backward) with a torch
+               optimizer on top; `adam` is this with AdamW (or without bias correction the same
+               math as the 1-bit optimizers), the baseline users would run; it records DDP's traffic
   SelfSyncing  an optimizer that communicates itself (`onebit_adam`, `zero_one_adam`): the model
                is not wrapped in DDP
 The registry (zoa_train/optim/registry.py) builds one of them for each optimizer name.
@@ -24,13 +24,13 @@ checkpoints). Under DDP they keep DDP's behaviour (rank 0's buffers broadcast at
 """
 
 import contextlib
+from collections.abc import Callable
 from typing import ContextManager, Protocol
 
 import torch
 
 from zoa_train.comm import CommLedger, ring_allreduce_bytes
 from zoa_train.errors import UserError
-from zoa_train.optim.adam import DataParallelAdam
 from zoa_train.optim.base import DataParallelOptimizer
 from zoa_train.step_kinds import FULL
 
@@ -98,27 +98,25 @@ def batchnorm_statistics(model: torch.nn.Module) -> list[torch.Tensor]:
     return [t for t in found if t is not None]
 
 
-class DDPAdam:
-    """`adam`: what users run, DDP (bucketed allreduce overlapped with backward, gradients as bucket
-    views, buffers broadcast only when the model has BatchNorm statistics) with Adam on top:
-    torch.optim.AdamW (fused on CUDA) with bias correction, or without it DataParallelAdam over a
-    one-rank group (the gradients are already averaged, so it only does the math, the same math
-    as the 1-bit optimizers)."""
+class DDPBacked:
+    """An optimizer on top of DDP, which averages the gradients (bucketed allreduce overlapped with
+    backward, gradients as bucket views, buffers broadcast only when the model has BatchNorm
+    statistics; fp16/bf16 on the wire with `allreduce_dtype`). `make_optimizer(param_groups)` builds
+    the torch optimizer once the model is wrapped; `name` is the recipe's, kept in the state so that
+    another optimizer's checkpoint is refused. `adam` is this with AdamW (registry.py)."""
 
     def __init__(
         self,
         model: torch.nn.Module,
         device: torch.device,
         world_size: int,
+        make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
         *,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        bias_correction: bool,
-        allreduce_dtype: torch.dtype | None,
+        name: str,
+        weight_decay: float = 0.0,
+        allreduce_dtype: torch.dtype | None = None,
+        second_moment: bool = True,
     ):
-        import torch.distributed as dist
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
 
@@ -132,13 +130,9 @@ class DDPAdam:
         hook = {torch.float16: default_hooks.fp16_compress_hook, torch.bfloat16: default_hooks.bf16_compress_hook}.get(self.comm_dtype)
         if hook:
             self.module.register_comm_hook(None, hook)
-        groups = parameter_groups(model, weight_decay)
-        if bias_correction:
-            fused = device.type == "cuda"
-            self.optimizer = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused, foreach=not fused)
-        else:
-            own, _ = dist.new_subgroups(group_size=1)  # a collective: every rank makes its one-rank group
-            self.optimizer = DataParallelAdam(groups, lr=lr, betas=betas, eps=eps, bias_correction=False, process_group=own)
+        self.optimizer = make_optimizer(parameter_groups(model, weight_decay))
+        self.name = name
+        self.second_moment = second_moment
         self.num_params = sum(p.numel() for p in model.parameters())
         self.ledger = CommLedger(num_params=self.num_params)
         self.world_size = world_size
@@ -159,7 +153,7 @@ class DDPAdam:
 
     @property
     def variance_updates(self) -> int:
-        return self.steps
+        return self.steps if self.second_moment else 0
 
     parameters_differ = False
     max_steps_apart = 1  # DDP's allreduce in every backward keeps the ranks in step
@@ -173,22 +167,24 @@ class DDPAdam:
     def average_statistics(self) -> None:
         """DDP's buffers stay as DDP keeps them."""
 
-    # Adam's state is the same on every rank: saved once, nothing per rank.
+    # The optimizer's state is the same on every rank: saved once, nothing per rank.
     def shared_state_dict(self) -> dict:
-        return {"adamw": self.optimizer.state_dict(), "ledger": self.ledger.state_dict(), "steps": self.steps}
+        return {"ddp_optimizer": self.name, "state": self.optimizer.state_dict(), "ledger": self.ledger.state_dict(), "steps": self.steps}
 
     def rank_state_dict(self) -> dict:
         return {}
 
     def load_state_dicts(self, shared: dict, rank: dict) -> None:
-        if "adamw" not in shared:
-            raise ValueError("the checkpoint holds another optimizer's state, not adam's (DDP + AdamW)")
-        self.optimizer.load_state_dict(shared["adamw"])
+        if "adamw" in shared and self.name == "adam":  # written before optimizers had a registry
+            shared = {"ddp_optimizer": "adam", "state": shared["adamw"], **shared}
+        if shared.get("ddp_optimizer") != self.name:
+            raise ValueError(f"the checkpoint holds another optimizer's state, not {self.name}'s (DDP with {type(self.optimizer).__name__})")
+        self.optimizer.load_state_dict(shared["state"])
         self.ledger.load_state_dict(shared["ledger"])
         self.steps = shared["steps"]
 
     def load_resharded(self, shared: dict) -> None:
-        """A checkpoint of another world size: Adam's state is the same on every rank and has no per-rank part."""
+        """A checkpoint of another world size: the state is the same on every rank and has no per-rank part."""
         self.load_state_dicts(shared, {})
 
 

@@ -1,0 +1,78 @@
+"""The package's import structure: no import cycle (imports inside functions included), and every module
+imports first in a fresh interpreter (a module-level cycle between two modules breaks one of those orders)."""
+
+import ast
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "zoa_train"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = sorted(module_name(p) for p in PACKAGE.rglob("*.py"))
+
+
+def imports_of(path: Path, modules: set[str]) -> set[str]:
+    """The package modules that `path` imports anywhere, inside functions too (an import made late to
+    dodge a cycle is still the cycle), each `from a import b` counted as a.b where that is a module."""
+    found = set()
+
+    def visit(nodes):
+        for node in nodes:
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                found.add(node.module)
+                found.update(f"{node.module}.{alias.name}" for alias in node.names)
+            visit(ast.iter_child_nodes(node))
+
+    visit(ast.parse(path.read_text()).body)
+    # Importing a.b.c first imports a and a.b, except the packages this module is in: they are being
+    # imported already when it is (a package's face importing its submodules is no cycle).
+    me = module_name(path)
+    return {prefix for name in found for prefix in _prefixes(name) if prefix in modules and not (me + ".").startswith(prefix + ".")}
+
+
+def _prefixes(name: str) -> list[str]:
+    parts = name.split(".")
+    return [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def test_no_import_cycle():
+    modules = set(MODULES)
+    graph = {module_name(p): imports_of(p, modules) for p in PACKAGE.rglob("*.py")}
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def walk(node: str) -> None:
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                walk(nxt)
+        path.pop()
+        state[node] = "done"
+
+    for module in MODULES:
+        if module not in state:
+            walk(module)
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    def first_import(module: str) -> tuple[str, subprocess.CompletedProcess]:
+        return module, subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        failed = [(m, done.stderr.strip().splitlines()[-1]) for m, done in pool.map(first_import, MODULES) if done.returncode]
+    assert not failed, failed
