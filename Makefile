@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test lint format quick bench clean
 
 install: $(STAMP)
 
@@ -17,8 +17,18 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/zoa-train run recipes/gpt2_tiny.yaml --overwrite
 
-test: $(STAMP)
+test: lint
 	$(BIN)/python -m pytest
+
+# The formatter and the linter (ruff, settings in pyproject.toml): part of `make test`; `make format` applies both.
+LINTED := zoa_train tests scripts
+lint: $(STAMP)
+	$(BIN)/ruff format --check --quiet $(LINTED)
+	$(BIN)/ruff check --quiet $(LINTED)
+
+format: $(STAMP)
+	$(BIN)/ruff format --quiet $(LINTED)
+	$(BIN)/ruff check --quiet --fix $(LINTED)
 
 bench: $(STAMP)
 	$(BIN)/zoa-train bench comm --sizes 1M,16M,64M --nproc 2 --repeats 10

@@ -98,9 +98,20 @@ def check_runs(device: torch.device, quick: bool) -> None:
     precisions = ["bf16", "fp16"] if device.type == "cuda" else ["fp32"]
     optimizers = ["zero_one_adam"] if quick else ["adam", "onebit_adam", "zero_one_adam"]
     with tempfile.TemporaryDirectory() as tmp:
-        common = ["train.nproc=1", f"train.backend={backend}", "train.log_every=1", "train.val_every=0", "train.val_batches=1",
-                  "logging.wandb=disabled", "logging.tensorboard=false", "optimizer.freeze_step=2", "optimizer.var_freeze_step=2",
-                  "optimizer.local_steps=fixed", "optimizer.local_step_interval=2", f"data.cache_dir={tmp}/cache"]
+        common = [
+            "train.nproc=1",
+            f"train.backend={backend}",
+            "train.log_every=1",
+            "train.val_every=0",
+            "train.val_batches=1",
+            "logging.wandb=disabled",
+            "logging.tensorboard=false",
+            "optimizer.freeze_step=2",
+            "optimizer.var_freeze_step=2",
+            "optimizer.local_steps=fixed",
+            "optimizer.local_step_interval=2",
+            f"data.cache_dir={tmp}/cache",
+        ]
         for precision in precisions:
             for optimizer in optimizers:
                 out = f"{tmp}/{precision}_{optimizer}"
@@ -110,8 +121,7 @@ def check_runs(device: torch.device, quick: bool) -> None:
                 detail = f"{time.perf_counter() - start:.1f} s" if done.returncode == 0 else done.stderr.strip().splitlines()[-1][:300]
                 report(f"run {optimizer} {precision} on {backend}", done.returncode == 0, detail)
         # resume: stop at the step-3 checkpoint (inside a local-step period), continue, compare with a whole run
-        sets = [*common, "train.steps=6", "train.checkpoint_every=3", "optimizer.name=zero_one_adam", "model.dropout=0.1",
-                f"train.precision={precisions[0]}"]
+        sets = [*common, "train.steps=6", "train.checkpoint_every=3", "optimizer.name=zero_one_adam", "model.dropout=0.1", f"train.precision={precisions[0]}"]
         flags = [a for s in sets for a in ("--set", s)]
         whole = zoa("run", "recipes/gpt2_tiny.yaml", "--out", f"{tmp}/whole", *flags)
         resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", f"{tmp}/resumed", "--resume", f"{tmp}/whole/checkpoints/step_00000003", *flags)
@@ -351,8 +361,11 @@ def check_step_cost(device: torch.device) -> None:
     result = run_optimizer_bench(25.0, repeats=20, device=str(device))
     times = {row["name"]: row["step_s"] for row in result["rows"]}
     detail = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in times.items())
-    report(f"0/1 Adam local step <= {result['target_local_vs_adamw']}x AdamW(fused) on {device.type}: {result['local_vs_adamw']:.2f}x",
-           result["target_met"], detail)
+    report(
+        f"0/1 Adam local step <= {result['target_local_vs_adamw']}x AdamW(fused) on {device.type}: {result['local_vs_adamw']:.2f}x",
+        result["target_met"],
+        detail,
+    )
 
 
 def main() -> None:

@@ -75,9 +75,21 @@ class SlurmCluster:
         shutil.chown(key, "munge", "munge")
         self.socket = munge / "munge.sock"
         subprocess.run(
-            ["runuser", "-u", "munge", "--", _daemon("munged"), f"--socket={self.socket}", f"--key-file={key}",
-             f"--pid-file={munge / 'munged.pid'}", f"--log-file={munge / 'munged.log'}", f"--seed-file={munge / 'seed'}"],
-            check=True, capture_output=True, timeout=30,
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                _daemon("munged"),
+                f"--socket={self.socket}",
+                f"--key-file={key}",
+                f"--pid-file={munge / 'munged.pid'}",
+                f"--log-file={munge / 'munged.log'}",
+                f"--seed-file={munge / 'seed'}",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
         )
         r = self.root
         self.conf.write_text(f"""\

@@ -50,8 +50,16 @@ def cache_dir(tmp_path_factory) -> Path:
 
 def quick(cache_dir: Path, *extra: str) -> list[str]:
     """A 2-step gpt2_tiny run that writes little: for the cases that get as far as starting ranks."""
-    return sets("train.steps=2", "train.log_every=1", "train.val_batches=1", "train.val_every=0", "logging.wandb=disabled",
-                "logging.tensorboard=false", f"data.cache_dir={cache_dir}", *extra)
+    return sets(
+        "train.steps=2",
+        "train.log_every=1",
+        "train.val_batches=1",
+        "train.val_every=0",
+        "logging.wandb=disabled",
+        "logging.tensorboard=false",
+        f"data.cache_dir={cache_dir}",
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +93,7 @@ def resume_from(where: str):
     def args(tmp, cache, run):
         target = {"not a checkpoint": tmp, "missing": tmp / "nothere"}[where]
         return [RECIPE, "--resume", str(target)]
+
     return args
 
 
@@ -116,7 +125,11 @@ CASES = {
     "ZeRO stage": (recipe_with("train.zero_stage=2"), "unknown key train.zero_stage; zoa-train is data-parallel only", False),
     "FSDP": (recipe_with("train.fsdp=true"), "unknown key train.fsdp; zoa-train is data-parallel only", False),
     "tensor parallelism": (recipe_with("train.tensor_parallel=2"), "ZeRO, FSDP, tensor and pipeline parallelism are not supported", False),
-    "pipeline parallelism": (recipe_file("model: {kind: gpt2}\ntrain: {pipeline_parallel_size: 4}\n"), "unknown key train.pipeline_parallel_size; zoa-train is data-parallel only", False),
+    "pipeline parallelism": (
+        recipe_file("model: {kind: gpt2}\ntrain: {pipeline_parallel_size: 4}\n"),
+        "unknown key train.pipeline_parallel_size; zoa-train is data-parallel only",
+        False,
+    ),
 }
 
 
@@ -145,8 +158,9 @@ def test_bad_input_exits_2_with_one_sentence(tmp_path, cache_dir, capsys, case):
         assert not run_dir.exists()
 
 
-@pytest.mark.parametrize("device,message", [("tpu", "--device must be cpu, cuda or cuda:N, not 'tpu'"),
-                                            ("meta", "--device meta: this machine has no such device")])
+@pytest.mark.parametrize(
+    "device,message", [("tpu", "--device must be cpu, cuda or cuda:N, not 'tpu'"), ("meta", "--device meta: this machine has no such device")]
+)
 def test_bench_optim_refuses_a_device_it_cannot_time(capsys, device, message):
     check_one_sentence(zoa_here(capsys, "bench", "optim", "--device", device), message)
 

@@ -9,7 +9,23 @@ from typer.testing import CliRunner
 import zoa_train
 from zoa_train.cli import app
 
-COMMANDS = [[], ["run"], ["plan"], ["report"], ["bench"], ["bench", "comm"], ["bench", "netsim"], ["bench", "optim"], ["bench", "loader"], ["eval"], ["eval", "imagenet"], ["eval", "wikitext"], ["eval", "lambada"], ["eval", "glue"], ["export"]]
+COMMANDS = [
+    [],
+    ["run"],
+    ["plan"],
+    ["report"],
+    ["bench"],
+    ["bench", "comm"],
+    ["bench", "netsim"],
+    ["bench", "optim"],
+    ["bench", "loader"],
+    ["eval"],
+    ["eval", "imagenet"],
+    ["eval", "wikitext"],
+    ["eval", "lambada"],
+    ["eval", "glue"],
+    ["export"],
+]
 
 
 @pytest.mark.parametrize("command", COMMANDS, ids=lambda c: " ".join(c) or "zoa-train")

@@ -1,8 +1,8 @@
 import pytest
 import torch
-
 from distributed_harness import run_ranks
 from reference import onebit_allreduce_reference
+
 from zoa_train.comm import CommLedger, OneBitAllReduce, allreduce, onebit_layout, pack_signs, unpack_signs
 from zoa_train.comm.onebit import SCALE_ROW, onebit_buffers
 
@@ -157,8 +157,11 @@ def _layered_call_errors(rank, world_size, scale_rows):
             exact = x.clone()
             torch.distributed.all_reduce(exact)
             exact /= world_size
-            out = comm.op(x)
-            errors[len(sizes), scale_row] = [(torch.linalg.vector_norm(o - e) / torch.linalg.vector_norm(e)).item() for o, e in zip(views, (exact[v.storage_offset() : v.storage_offset() + v.numel()] for v in views))]
+            comm.op(x)
+            errors[len(sizes), scale_row] = [
+                (torch.linalg.vector_norm(o - e) / torch.linalg.vector_norm(e)).item()
+                for o, e in zip(views, (exact[v.storage_offset() : v.storage_offset() + v.numel()] for v in views))
+            ]
     return errors
 
 

@@ -284,9 +284,7 @@ def test_mlm_masking_rates_specials_and_determinism(bert):
     blocks = MaskedLMBlocks(bert.train, 128, tok)
     indices = np.arange(512)
     batch = blocks.batch(indices, step_generator(1, 0, 7))
-    original = torch.cat(
-        [torch.full((512, 1), tok.cls_token_id), blocks.stream.rows(indices), torch.full((512, 1), tok.sep_token_id)], dim=1
-    )
+    original = torch.cat([torch.full((512, 1), tok.cls_token_id), blocks.stream.rows(indices), torch.full((512, 1), tok.sep_token_id)], dim=1)
     ids, labels = batch["input_ids"], batch["labels"]
     special = torch.isin(original, torch.tensor(tok.all_special_ids))
     assert special[:, 0].all() and special[:, -1].all() and special[:, 1:-1].any()  # documents' [SEP]s inside blocks too

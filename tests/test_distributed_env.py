@@ -32,8 +32,13 @@ def test_torchrun_is_recognised(clean_env):
 
 
 def test_srun_step_is_translated_for_torch(clean_env):
-    for name, value in {"SLURM_PROCID": "5", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
-                        "SLURM_JOB_NODELIST": "gpu[007-010],gpu012"}.items():
+    for name, value in {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "gpu[007-010],gpu012",
+    }.items():
         clean_env.setenv(name, value)
     assert cluster_environment() == "slurm"
     export_slurm_environment()
@@ -78,8 +83,14 @@ def test_ranks_map_to_the_gpus_they_can_see():
 
 
 def test_slurm_tasks_per_node_become_the_local_world_size(clean_env):
-    for name, value in (("SLURM_PROCID", "5"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "1"), ("SLURM_STEP_ID", "0"),
-                        ("SLURM_JOB_NODELIST", "gpu1"), ("SLURM_STEP_TASKS_PER_NODE", "4(x2)")):
+    for name, value in (
+        ("SLURM_PROCID", "5"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_STEP_ID", "0"),
+        ("SLURM_JOB_NODELIST", "gpu1"),
+        ("SLURM_STEP_TASKS_PER_NODE", "4(x2)"),
+    ):
         clean_env.setenv(name, value)
     export_slurm_environment()
     assert os.environ["LOCAL_WORLD_SIZE"] == "4" and os.environ["LOCAL_RANK"] == "1"

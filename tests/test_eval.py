@@ -68,8 +68,24 @@ def direct(model_file: Path, val_folder: Path) -> dict:
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_eval_imagenet_equals_a_direct_computation(tmp_path, model_file, val_folder, ranks):
     out = tmp_path / "eval.json"
-    args = ("eval", "imagenet", "--checkpoint", str(model_file), "--data", str(val_folder), "--batch-size", "4", "--workers", str(ranks - 1),
-            "--resize-size", "36", "--crop-size", "32", "--json", str(out))
+    args = (
+        "eval",
+        "imagenet",
+        "--checkpoint",
+        str(model_file),
+        "--data",
+        str(val_folder),
+        "--batch-size",
+        "4",
+        "--workers",
+        str(ranks - 1),
+        "--resize-size",
+        "36",
+        "--crop-size",
+        "32",
+        "--json",
+        str(out),
+    )
     done = zoa(*args, command=TORCHRUN) if ranks == 2 else zoa(*args)
     assert done.returncode == 0, done.stderr[-3000:]
     result, expected = json.loads(out.read_text()), direct(model_file, val_folder)

@@ -97,7 +97,15 @@ def run_dir(tmp_path_factory) -> Path:
     """A real gpt2_tiny run directory after 2 training steps, trained by one rank in the command's own
     process (as under torchrun with one process: the cheapest, no rank is spawned)."""
     tmp = tmp_path_factory.mktemp("gpt2run")
-    sets = ["train.steps=2", "train.log_every=1", "train.val_every=0", "train.val_batches=1", "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={tmp / 'cache'}"]
+    sets = [
+        "train.steps=2",
+        "train.log_every=1",
+        "train.val_every=0",
+        "train.val_batches=1",
+        "logging.wandb=disabled",
+        "logging.tensorboard=false",
+        f"data.cache_dir={tmp / 'cache'}",
+    ]
     one_rank = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(tmp / "run"), *[a for s in sets for a in ("--set", s)], env=one_rank)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -310,8 +318,22 @@ def test_lambada_contexts_are_cut_from_the_left(tokenizer):
 # --- The commands end to end -------------------------------------------------------------------------
 def test_eval_wikitext_end_to_end(run_dir, loaded, data_files, tmp_path):
     out = tmp_path / "wikitext.json"
-    done = zoa("eval", "wikitext", "--checkpoint", str(run_dir), "--data", str(data_files["wikitext"]), "--seq-len", "16", "--stride", "4",
-               "--batch-size", "3", "--json", str(out))
+    done = zoa(
+        "eval",
+        "wikitext",
+        "--checkpoint",
+        str(run_dir),
+        "--data",
+        str(data_files["wikitext"]),
+        "--seq-len",
+        "16",
+        "--stride",
+        "4",
+        "--batch-size",
+        "3",
+        "--json",
+        str(out),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "adjusted perplexity" in done.stdout and "word_perplexity" in done.stdout and "bits_per_byte" in done.stdout
     result = json.loads(out.read_text())
@@ -338,8 +360,22 @@ def test_eval_lambada_end_to_end(run_dir, loaded, data_files, tmp_path, monkeypa
     # Through the console entry point in this process (the wikitext test above starts a fresh one).
     out = tmp_path / "lambada.json"
     checkpoint = run_dir / "checkpoints" / "step_00000002"
-    code, stdout, stderr = cli(monkeypatch, capsys, "eval", "lambada", "--checkpoint", str(checkpoint), "--data", str(data_files["lambada"]),
-                               "--seq-len", "32", "--batch-size", "2", "--json", str(out))
+    code, stdout, stderr = cli(
+        monkeypatch,
+        capsys,
+        "eval",
+        "lambada",
+        "--checkpoint",
+        str(checkpoint),
+        "--data",
+        str(data_files["lambada"]),
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--json",
+        str(out),
+    )
     assert code == 0, stderr
     assert "accuracy" in stdout and "perplexity" in stdout
     result = json.loads(out.read_text())
@@ -358,12 +394,12 @@ def bert_dir(tmp_path_factory, tokenizer) -> Path:
     import transformers
 
     path = tmp_path_factory.mktemp("bert")
-    config = transformers.BertConfig(vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, max_position_embeddings=32)
+    config = transformers.BertConfig(
+        vocab_size=len(tokenizer), hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, max_position_embeddings=32
+    )
     transformers.BertForMaskedLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
-
-
 
 
 def test_bad_input_is_one_sentence_and_exit_code_2(run_dir, data_files, bert_dir, tmp_path, monkeypatch, capsys):

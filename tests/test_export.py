@@ -32,8 +32,17 @@ def zoa(*args: str) -> subprocess.CompletedProcess:
 # period (each rank saved its own parameters) and step 3 is the synchronised end of the run. bert:
 # BertForPreTraining (masked LM + next-sentence head), one rank.
 RUNS = {
-    "gpt2": ("recipes/gpt2_tiny.yaml", 2, ["optimizer.name=zero_one_adam", "optimizer.var_freeze_step=1", "optimizer.local_steps=fixed",
-                                           "optimizer.local_step_interval=4", "train.checkpoint_every=2"]),
+    "gpt2": (
+        "recipes/gpt2_tiny.yaml",
+        2,
+        [
+            "optimizer.name=zero_one_adam",
+            "optimizer.var_freeze_step=1",
+            "optimizer.local_steps=fixed",
+            "optimizer.local_step_interval=4",
+            "train.checkpoint_every=2",
+        ],
+    ),
     "bert": ("recipes/bert_tiny.yaml", 1, ["model.next_sentence=true", "optimizer.name=adam", "train.steps=2"]),
 }
 
@@ -43,10 +52,28 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     started = {}
     for name, (recipe, nproc, extra) in RUNS.items():
-        sets = ["train.steps=3", "train.log_every=1", "train.val_every=0", "train.val_batches=1", "logging.wandb=disabled",
-                "logging.tensorboard=false", f"data.cache_dir={root / ('cache-' + name)}", *extra]
-        command = [sys.executable, "-m", "zoa_train.cli", "run", recipe, "--out", str(root / name), "--nproc", str(nproc),
-                   *[arg for s in sets for arg in ("--set", s)]]
+        sets = [
+            "train.steps=3",
+            "train.log_every=1",
+            "train.val_every=0",
+            "train.val_batches=1",
+            "logging.wandb=disabled",
+            "logging.tensorboard=false",
+            f"data.cache_dir={root / ('cache-' + name)}",
+            *extra,
+        ]
+        command = [
+            sys.executable,
+            "-m",
+            "zoa_train.cli",
+            "run",
+            recipe,
+            "--out",
+            str(root / name),
+            "--nproc",
+            str(nproc),
+            *[arg for s in sets for arg in ("--set", s)],
+        ]
         with open(root / f"{name}.log", "w") as log:  # a file, not a pipe: neither run waits for a reader
             started[name] = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     try:

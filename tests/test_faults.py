@@ -19,9 +19,20 @@ def zoa(*args: str) -> subprocess.CompletedProcess:
 
 def exploding(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
     # Adam at lr 1e6 without clipping: step 1 is fine, the loss of step 2 is already infinite.
-    sets = ["train.steps=12", "train.log_every=4", "train.val_every=0", "train.checkpoint_every=1", "optimizer.name=adam",
-            "optimizer.lr=1e6", "train.grad_clip=0", "schedule.warmup_steps=0", "logging.wandb=disabled",
-            "logging.tensorboard=false", f"data.cache_dir={cache_dir}", *extra]
+    sets = [
+        "train.steps=12",
+        "train.log_every=4",
+        "train.val_every=0",
+        "train.checkpoint_every=1",
+        "optimizer.name=adam",
+        "optimizer.lr=1e6",
+        "train.grad_clip=0",
+        "schedule.warmup_steps=0",
+        "logging.wandb=disabled",
+        "logging.tensorboard=false",
+        f"data.cache_dir={cache_dir}",
+        *extra,
+    ]
     return ["run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *[a for s in sets for a in ("--set", s)]]
 
 
@@ -58,9 +69,20 @@ def rank_pids(launcher: int) -> list[int]:
 
 def thirty_steps(cache_dir: Path, *extra: str) -> list[str]:
     """0/1 Adam through variance updates, 1-bit steps and local-step periods of 3 steps."""
-    sets = ["train.steps=30", "train.log_every=1", "train.val_every=0", "train.checkpoint_every=0", "train.val_batches=1",
-            "optimizer.var_freeze_step=2", "optimizer.local_steps=fixed", "optimizer.local_step_interval=3",
-            "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={cache_dir}", *extra]
+    sets = [
+        "train.steps=30",
+        "train.log_every=1",
+        "train.val_every=0",
+        "train.checkpoint_every=0",
+        "train.val_batches=1",
+        "optimizer.var_freeze_step=2",
+        "optimizer.local_steps=fixed",
+        "optimizer.local_step_interval=3",
+        "logging.wandb=disabled",
+        "logging.tensorboard=false",
+        f"data.cache_dir={cache_dir}",
+        *extra,
+    ]
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -116,8 +138,13 @@ def test_a_stop_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_p
 
     args = thirty_steps(cache_dir)
     stopped = tmp_path / "stopped"
-    run = subprocess.Popen([sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), *args],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for_step(run, stopped / "metrics.jsonl", 3)
     ranks = rank_pids(run.pid)
     send(run)
@@ -147,9 +174,25 @@ def test_a_killed_rank_restarts_every_rank_from_the_last_checkpoint_and_ends_on_
     # Checkpoints every 4 steps (some inside a local-step period); --overwrite on the first attempt
     # must not empty the directory on the restart.
     run_dir = tmp_path / "run"
-    run = subprocess.Popen([sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--overwrite",
-                            "--max-restarts", "1", *thirty_steps(cache_dir, "train.checkpoint_every=4")],
-                           cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "zoa_train.cli",
+            "run",
+            "recipes/gpt2_tiny.yaml",
+            "--out",
+            str(run_dir),
+            "--overwrite",
+            "--max-restarts",
+            "1",
+            *thirty_steps(cache_dir, "train.checkpoint_every=4"),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     killed_at = wait_for_step(run, run_dir / "metrics.jsonl", 10)
     ranks = rank_pids(run.pid)
     assert len(ranks) == 2
@@ -173,11 +216,24 @@ def test_a_rank_that_stops_answering_is_reported_within_the_timeout(tmp_path, ca
     import signal
     import time
 
-    sets = ["train.steps=400", "train.log_every=1", "train.val_every=0", "train.checkpoint_every=0", "train.timeout_s=10",
-            "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={cache_dir}"]
+    sets = [
+        "train.steps=400",
+        "train.log_every=1",
+        "train.val_every=0",
+        "train.checkpoint_every=0",
+        "train.timeout_s=10",
+        "logging.wandb=disabled",
+        "logging.tensorboard=false",
+        f"data.cache_dir={cache_dir}",
+    ]
     run_dir = tmp_path / "run"
-    run = subprocess.Popen([sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir),
-                            *[a for s in sets for a in ("--set", s)]], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    run = subprocess.Popen(
+        [sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *[a for s in sets for a in ("--set", s)]],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 300
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2):

@@ -88,9 +88,14 @@ def test_metrics_match_independent_formulas():
 def test_task_scores_and_the_glue_average_follow_the_leaderboard():
     # BERT-large's GLUE test results (Devlin et al., Table 1); the leaderboard's score is 80.5.
     bert_large = {
-        "cola": {"matthews_correlation": 0.605}, "sst2": {"accuracy": 0.949}, "mrpc": {"f1": 0.893, "accuracy": 0.854},
-        "stsb": {"pearson": 0.876, "spearmanr": 0.865}, "qqp": {"f1": 0.721, "accuracy": 0.893},
-        "mnli": {"accuracy": 0.867, "accuracy_mm": 0.859}, "qnli": {"accuracy": 0.927}, "rte": {"accuracy": 0.701},
+        "cola": {"matthews_correlation": 0.605},
+        "sst2": {"accuracy": 0.949},
+        "mrpc": {"f1": 0.893, "accuracy": 0.854},
+        "stsb": {"pearson": 0.876, "spearmanr": 0.865},
+        "qqp": {"f1": 0.721, "accuracy": 0.893},
+        "mnli": {"accuracy": 0.867, "accuracy_mm": 0.859},
+        "qnli": {"accuracy": 0.927},
+        "rte": {"accuracy": 0.701},
         "wnli": {"accuracy": 0.651},
     }
     scores = {task: glue.task_score(task, metrics) for task, metrics in bert_large.items()}
@@ -130,33 +135,33 @@ QUOTED = '"Whose book is it? he asked'  # an opening quote with no closing one: 
 
 FIXTURES = {
     "CoLA/train.tsv": f"gj04\t1\t\tOur friends won't buy this analysis, let alone the next one we propose.\n"
-                      f"gj04\t0\t*\tThey drank the pub.\ncj99\t1\t\t{QUOTED}\ncj99\t0\t*\tThe more we study verbs, the crazier they get get.\n",
+    f"gj04\t0\t*\tThey drank the pub.\ncj99\t1\t\t{QUOTED}\ncj99\t0\t*\tThe more we study verbs, the crazier they get get.\n",
     "CoLA/dev.tsv": "gj04\t1\t\tHe left.\ngj04\t0\t*\tLeft he the.\n",
     "SST-2/train.tsv": f"sentence\tlabel\nhide new secretions from the parental units \t0\n{QUOTED}\t1\nthe greatest musicians \t1\n",
     "SST-2/dev.tsv": "sentence\tlabel\nit 's a charming and often affecting journey . \t1\nunflinchingly bleak and desperate \t0\n",
     "MRPC/train.tsv": "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n"
-                      '1\t702876\t702977\tAmrozi accused his brother , whom he called " the witness " , of deliberately distorting his evidence .\t'
-                      'Referring to him as only " the witness " , Amrozi accused his brother of deliberately distorting his evidence .\n'
-                      "0\t2108705\t2108831\tYucaipa owned Dominick 's before selling the chain to Safeway in 1998 for $ 2.5 billion .\t"
-                      "Yucaipa bought Dominick 's in 1995 for $ 693 million and sold it to Safeway for $ 1.8 billion in 1998 .\n",
+    '1\t702876\t702977\tAmrozi accused his brother , whom he called " the witness " , of deliberately distorting his evidence .\t'
+    'Referring to him as only " the witness " , Amrozi accused his brother of deliberately distorting his evidence .\n'
+    "0\t2108705\t2108831\tYucaipa owned Dominick 's before selling the chain to Safeway in 1998 for $ 2.5 billion .\t"
+    "Yucaipa bought Dominick 's in 1995 for $ 693 million and sold it to Safeway for $ 1.8 billion in 1998 .\n",
     "MRPC/dev.tsv": "\ufeffQuality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1355540\t1355592\tHe said the foodservice pie business doesn 't fit .\tThe foodservice pie business did not fit , he said .\n",
     "STS-B/train.tsv": "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
-                       "0\tmain-captions\tMSRvid\t2012test\t0001\tnone\tnone\tA plane is taking off.\tAn air plane is taking off.\t5.000\n"
-                       "1\tmain-captions\tMSRvid\t2012test\t0004\tnone\tnone\tA man is playing a large flute.\tA man is playing a flute.\t3.800\n",
+    "0\tmain-captions\tMSRvid\t2012test\t0001\tnone\tnone\tA plane is taking off.\tAn air plane is taking off.\t5.000\n"
+    "1\tmain-captions\tMSRvid\t2012test\t0004\tnone\tnone\tA man is playing a large flute.\tA man is playing a flute.\t3.800\n",
     "STS-B/dev.tsv": "index\tgenre\tfilename\tyear\told_index\tsource1\tsource2\tsentence1\tsentence2\tscore\n"
-                     "0\tmain-captions\tMSRvid\t2012test\t0000\tnone\tnone\tA man with a hard hat is dancing.\tA man wearing a hard hat is dancing.\t5.000\n"
-                     "1\tmain-captions\tMSRvid\t2012test\t0002\tnone\tnone\tA young child is riding a horse.\tA child is riding a horse.\t4.750\n",
+    "0\tmain-captions\tMSRvid\t2012test\t0000\tnone\tnone\tA man with a hard hat is dancing.\tA man wearing a hard hat is dancing.\t5.000\n"
+    "1\tmain-captions\tMSRvid\t2012test\t0002\tnone\tnone\tA young child is riding a horse.\tA child is riding a horse.\t4.750\n",
     "QQP/train.tsv": "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
-                     "133273\t213221\t213222\tHow is the life of a math student?\tWhich level of prepration is enough?\t0\n"
-                     "402555\t536040\t536041\tHow do I control my horny emotions?\tHow do you control your horniness?\t1\n"
-                     "363362\t493340\t493341\tA truncated row\n",
-    "QQP/dev.tsv": "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n1\t2\t3\tWhy are \"quotes\" fine?\tAre quotes fine?\t1\n",
+    "133273\t213221\t213222\tHow is the life of a math student?\tWhich level of prepration is enough?\t0\n"
+    "402555\t536040\t536041\tHow do I control my horny emotions?\tHow do you control your horniness?\t1\n"
+    "363362\t493340\t493341\tA truncated row\n",
+    "QQP/dev.tsv": 'id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n1\t2\t3\tWhy are "quotes" fine?\tAre quotes fine?\t1\n',
     "QNLI/train.tsv": "index\tquestion\tsentence\tlabel\n0\tWhen did the third Digimon series begin?\tUnlike the two seasons before it, it is set in the real world.\tnot_entailment\n"
-                      "1\tWhich missile batteries often have individual launchers?\tWhen MANPADS is operated by specialists, batteries may have dozens of teams.\tentailment\n",
+    "1\tWhich missile batteries often have individual launchers?\tWhen MANPADS is operated by specialists, batteries may have dozens of teams.\tentailment\n",
     "QNLI/dev.tsv": "index\tquestion\tsentence\tlabel\n0\tWhat came into force after the new constitution?\tThe Treaty came into force.\tentailment\n",
     "RTE/train.tsv": "index\tsentence1\tsentence2\tlabel\n0\tNo Weapons of Mass Destruction Found in Iraq Yet.\tWeapons of Mass Destruction Found in Iraq.\tnot_entailment\n",
     "RTE/dev.tsv": "index\tsentence1\tsentence2\tlabel\n0\tDana Reeve died of lung cancer.\tChristopher Reeve had an accident.\tnot_entailment\n"
-                   "1\tYet, we now are discovering that antibiotics are losing their effectiveness.\tBacteria is winning the war against antibiotics.\tentailment\n",
+    "1\tYet, we now are discovering that antibiotics are losing their effectiveness.\tBacteria is winning the war against antibiotics.\tentailment\n",
     "WNLI/train.tsv": "index\tsentence1\tsentence2\tlabel\n0\tI stuck a pin through a carrot. When I pulled the pin out, it had a hole.\tThe carrot had a hole.\t1\n",
     "WNLI/dev.tsv": "index\tsentence1\tsentence2\tlabel\n0\tThe drain is clogged with hair. It has to be cleaned.\tThe hair has to be cleaned.\t0\n",
 }
@@ -170,12 +175,30 @@ def mnli_row(index: int, premise: str, hypothesis: str, labels: list[str]) -> st
 
 
 FIXTURES |= {
-    "MNLI/train.tsv": MNLI_TRAIN_HEADER + mnli_row(0, "Conceptually cream skimming has two basic dimensions.", "Product and geography are what make cream skimming work.", ["neutral", "neutral"])
+    "MNLI/train.tsv": MNLI_TRAIN_HEADER
+    + mnli_row(0, "Conceptually cream skimming has two basic dimensions.", "Product and geography are what make cream skimming work.", ["neutral", "neutral"])
     + mnli_row(1, "you know during the season", "You lose the things to the following level.", ["entailment", "entailment"]),
-    "MNLI/dev_matched.tsv": MNLI_DEV_HEADER + mnli_row(0, "The new rights are nice enough", "Everyone really likes the newest benefits", ["neutral"] * 5 + ["neutral"])
-    + mnli_row(1, "This site includes a list of all award winners.", "The Government Executive articles are not on the site.", ["contradiction"] * 5 + ["contradiction"]),
-    "MNLI/dev_mismatched.tsv": MNLI_DEV_HEADER + mnli_row(0, 'Your contribution helped make it possible for us to provide "scholarships".', "Your contributions were of no help.", ["contradiction"] * 5 + ["contradiction"])
-    + mnli_row(1, "The answer has nothing to do with their cause.", "Their cause is not related to the answer.", ["entailment", "neutral", "entailment", "entailment", "entailment", "entailment"]),
+    "MNLI/dev_matched.tsv": MNLI_DEV_HEADER
+    + mnli_row(0, "The new rights are nice enough", "Everyone really likes the newest benefits", ["neutral"] * 5 + ["neutral"])
+    + mnli_row(
+        1,
+        "This site includes a list of all award winners.",
+        "The Government Executive articles are not on the site.",
+        ["contradiction"] * 5 + ["contradiction"],
+    ),
+    "MNLI/dev_mismatched.tsv": MNLI_DEV_HEADER
+    + mnli_row(
+        0,
+        'Your contribution helped make it possible for us to provide "scholarships".',
+        "Your contributions were of no help.",
+        ["contradiction"] * 5 + ["contradiction"],
+    )
+    + mnli_row(
+        1,
+        "The answer has nothing to do with their cause.",
+        "Their cause is not related to the answer.",
+        ["entailment", "neutral", "entailment", "entailment", "entailment", "entailment"],
+    ),
 }
 
 
@@ -224,7 +247,11 @@ def test_readers_take_each_task_in_its_original_format(glue_dir):
         ("SST-2/dev.tsv", "text\tlabel\nfine\t1\n", "expected a tab-separated header with sentence, label, found text, label"),
         ("CoLA/dev.tsv", "sentence\tlabel\nHe left.\t1\n", "without a header (source, label, original label mark, sentence)"),
         ("MNLI/dev_matched.tsv", MNLI_DEV_HEADER.replace("\tgold_label", ""), "gold_label last"),
-        ("RTE/dev.tsv", "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tneutral\n", "line 2: the RTE label must be one of entailment, not_entailment, not 'neutral'"),
+        (
+            "RTE/dev.tsv",
+            "index\tsentence1\tsentence2\tlabel\n0\ta\tb\tneutral\n",
+            "line 2: the RTE label must be one of entailment, not_entailment, not 'neutral'",
+        ),
     ],
 )
 def test_readers_refuse_wrong_columns_naming_file_and_columns(tmp_path, name, text, words):
@@ -300,7 +327,16 @@ def test_glue_learns_a_word_cue_from_a_tiny_checkpoint(tiny_bert, cue_task, tmp_
     assert sst2["metrics"]["accuracy"] == pytest.approx(np.median([run["accuracy"] for run in sst2["per_seed"]]))
     assert sst2["dev_examples"] == {"dev": 63} and sst2["train_examples"] == 160
     assert result["protocol"].startswith("glue dev, fine-tuned 4 epochs") and "median of 2 seeds" in result["protocol"]
-    assert result["finetune"] == {"lr": 1e-3, "epochs": 4, "batch_size": 16, "seq_len": 16, "warmup_ratio": 0.1, "weight_decay": 0.01, "grad_clip": 1.0, "seed": 0}
+    assert result["finetune"] == {
+        "lr": 1e-3,
+        "epochs": 4,
+        "batch_size": 16,
+        "seq_len": 16,
+        "warmup_ratio": 0.1,
+        "weight_decay": 0.01,
+        "grad_clip": 1.0,
+        "seed": 0,
+    }
     assert result["checkpoint"]["step"] == 2 and result["checkpoint"]["source"].endswith("step_00000002/model.pt")
     assert result["pooler"] == "fresh" and "no pooler" in done.stderr
     assert "SST-2" in done.stdout and "accuracy" in done.stdout

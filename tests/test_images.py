@@ -90,9 +90,7 @@ def test_digits_tree_has_every_digit_split_by_class(digits_root):
     assert val_counts.sum() == 360 and np.abs(val_counts - (train_counts + val_counts) * 0.2).max() < 1  # stratified 20%
     assert np.array_equal(train_counts + val_counts, np.bincount(digits.target))
     # file NNNN.png is load_digits() image NNNN, filed under its label, 0..16 mapped to 0..255 and upscaled
-    first = next(
-        p for p in (digits_root / "train" / str(digits.target[0]), digits_root / "val" / str(digits.target[0])) if (p / "0000.png").exists()
-    )
+    first = next(p for p in (digits_root / "train" / str(digits.target[0]), digits_root / "val" / str(digits.target[0])) if (p / "0000.png").exists())
     with Image.open(first / "0000.png") as image:
         assert image.mode == "RGB" and image.size == (32, 32)
         pixels = np.array(image)
@@ -202,7 +200,7 @@ def test_ranks_split_each_global_batch(image_folder):
     single = DistributedImageLoader(image_folder, raw_pixels, 12, seed=7)
     assert len(single) == len(ranks[0]) == 3  # 40 // 12: 4 images left out each epoch
     seen_per_epoch = []
-    for step in range(6):  # two epochs
+    for _ in range(6):  # two epochs
         parts = [next(loader) for loader in ranks]
         ids = [sample_ids(part) for part in parts]
         assert all(len(part) == 4 for part in ids) and len(set(itertools.chain(*ids))) == 12  # disjoint

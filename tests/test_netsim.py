@@ -222,6 +222,7 @@ def start_netsim(*args: str) -> subprocess.Popen:
 def netsim_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("netsim")
     proc = start_netsim("--ranks", "2", "--bandwidth", "100mbit", "--latency", LATENCY, "--steps", "6", "--comm-sizes", "1M",
+                        "--optimizers", "adam,onebit_adam,zero_one_adam",
                         "--margin", "0.5", "--out", str(out), "--json", *QUICK)  # fmt: skip
     stdout, stderr = proc.communicate(timeout=400)
     return proc, stdout, stderr, out

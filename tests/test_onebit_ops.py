@@ -5,8 +5,8 @@ step for all its parameter groups, with exactly the results of one call per grou
 import functools
 
 import torch
-
 from distributed_harness import run_ranks
+
 from zoa_train.bench.comm import count_ops
 from zoa_train.comm import CommLedger, OneBitAllReduce
 from zoa_train.optim import OneBitAdam, ZeroOneAdam

@@ -1,12 +1,11 @@
 """Multi-process properties of the three optimizers (Gloo on CPU)."""
 
-
 import pytest
 import torch
 import torch.distributed as dist
-
 from distributed_harness import run_ranks
 from reference import ExactAllReduce, zero_one_adam_reference
+
 from zoa_train.optim import DataParallelAdam, LRSchedule, OneBitAdam, ZeroOneAdam, ZeroOneSchedule
 
 DIM = 40
@@ -95,7 +94,9 @@ def _sync_invariants(rank, world_size, weight_decay, update_clip=None):
     head = torch.nn.Linear(6, 3)
     frozen_rows = emb.weight.detach()[10:].clone()
     params = [{"params": emb.parameters()}, {"params": head.parameters(), "lr": 0.02}, {"params": []}]
-    opt = ZeroOneAdam(params, lr=0.05, weight_decay=weight_decay, var_freeze_step=8, var_update_scaler=2, local_steps="fixed", local_step_interval=3, update_clip=update_clip)
+    opt = ZeroOneAdam(
+        params, lr=0.05, weight_decay=weight_decay, var_freeze_step=8, var_update_scaler=2, local_steps="fixed", local_step_interval=3, update_clip=update_clip
+    )
     lr_products = torch.ones(())
     snapshots = []
     for t in range(30):
@@ -125,7 +126,7 @@ def test_real_compression_keeps_ranks_bit_identical_and_zero_gradient_rows_still
     for r in range(1, world_size):
         for (t0, x0_, m0), (t1, x1, m1) in zip(ranks[0][0], ranks[r][0]):
             assert t0 == t1 and torch.equal(x0_, x1) and torch.equal(m0, m1), f"rank {r} differs at step {t0}"
-    for snapshots, rows, initial_rows, bits in ranks:
+    for _, rows, initial_rows, bits in ranks:
         assert torch.equal(rows, initial_rows)  # never-used embedding rows did not move
         assert 0 < bits < 8
 
@@ -379,7 +380,6 @@ def test_adam_is_ddp_with_either_bias_correction(bias_correction):
 
 
 def _fp16_overflow_checks(rank, world_size):
-    import torch.distributed as dist
 
     from zoa_train.train.loss_scaling import LossScaler
 

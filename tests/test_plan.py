@@ -98,9 +98,7 @@ def test_bert_rounds_by_policy_agree_with_a_count_by_segments(bert):
 
 def test_bert_step_kinds_respect_clip_and_freeze():
     intervals, variance_steps = [], []
-    for decision, kind in zero_one_step_kinds(
-        BERT_STEPS, BERT_LR, var_freeze_step=12_500, var_update_scaler=16, local_steps="lr", local_step_clip=16
-    ):
+    for decision, kind in zero_one_step_kinds(BERT_STEPS, BERT_LR, var_freeze_step=12_500, var_update_scaler=16, local_steps="lr", local_step_clip=16):
         intervals.append(decision.interval)
         if kind == VARIANCE:
             variance_steps.append(decision.step)

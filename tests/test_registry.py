@@ -15,10 +15,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from test_netsim import LATENCY, QUICK, needs_namespaces
+
 from zoa_train import checks
 from zoa_train.bench import netsim
+from zoa_train.errors import UserError
 from zoa_train.optim import registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,7 +74,7 @@ def test_a_plugin_optimizer_trains_with_its_own_knobs_and_resumes(sgd_run):
     [
         ([*SGD, "--set", "optimizer.momentum=-0.5"], "optimizer.momentum must be >= 0, not -0.5."),
         ([*SGD, "--set", "optimizer.nesterov=maybe"], "optimizer.nesterov must be bool"),
-        (["--set", "optimizer.name=sgd"], "optimizer.name must be one of adam, onebit_adam, zero_one_adam, not 'sgd'."),
+        (["--set", "optimizer.name=sgd"], f"optimizer.name must be one of {', '.join(registry.names())}, not 'sgd'."),
         (["--set", "imports=[no_such_module]"], "imports: module no_such_module could not be imported (ModuleNotFoundError"),
     ],
 )
@@ -86,7 +87,7 @@ def test_plan_counts_the_plugin_beside_the_built_in_optimizers():
     done = zoa("plan", "recipes/gpt2_tiny.yaml", "--world-size", "4", "--json", *PLUGIN)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert list(result) == ["adam", "onebit_adam", "zero_one_adam", "sgd"]
+    assert list(result) == [*registry.names(), "sgd"]
     steps = result["sgd"]["steps"]
     assert result["sgd"]["rounds"] == steps and result["sgd"]["bits_per_param"] == 16  # bf16 allreduces
     assert result["sgd"]["bytes_per_rank"] == result["adam"]["bytes_per_rank"]  # both one fp32 allreduce a step
@@ -135,7 +136,7 @@ def test_clashing_names_and_knobs_are_refused_before_anything_is_registered():
         registry.register(spec("mine", checks={"rank": checks.positive}))
     with pytest.raises(TypeError, match="must be a dataclass"):
         registry.register(spec("mine", knobs=dict))
-    assert registry.names() == before == ("adam", "onebit_adam", "zero_one_adam")
+    assert registry.names() == before and "mine" not in before
 
 
 def test_knobs_come_from_a_section_or_a_mapping_with_the_library_defaults():
@@ -143,7 +144,7 @@ def test_knobs_come_from_a_section_or_a_mapping_with_the_library_defaults():
     assert zero_one.knobs_from({"local_step_clip": 4}) == zero_one.knobs(local_step_clip=4)
     assert zero_one.knobs_from(object()) == zero_one.knobs()  # nothing set: every default
     assert registry.get("onebit_adam").knobs().freeze_step == 100_000  # OneBitAdam's own default
-    with pytest.raises(Exception, match="unknown optimizer 'sgd'; the registered ones are adam, onebit_adam, zero_one_adam"):
+    with pytest.raises(UserError, match=f"unknown optimizer 'sgd'; the registered ones are {', '.join(registry.names())}"):
         registry.get("sgd")
 
 

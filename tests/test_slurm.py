@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from slurm_cluster import SlurmCluster, unavailable
 from test_bad_input import zoa_here
 
@@ -21,8 +20,15 @@ RECIPE = str(ROOT / "recipes" / "gpt2_tiny.yaml")
 
 
 def short(steps: int, cache_dir: Path, checkpoint_every: int) -> list[str]:
-    sets = [f"train.steps={steps}", "train.log_every=10", "train.val_every=0", f"train.checkpoint_every={checkpoint_every}",
-            "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={cache_dir}"]
+    sets = [
+        f"train.steps={steps}",
+        "train.log_every=10",
+        "train.val_every=0",
+        f"train.checkpoint_every={checkpoint_every}",
+        "logging.wandb=disabled",
+        "logging.tensorboard=false",
+        f"data.cache_dir={cache_dir}",
+    ]
     return [a for s in sets for a in ("--set", s)]
 
 
@@ -41,11 +47,35 @@ def dry_run(run_dir: Path, *args: str) -> str:
 
 
 def test_script_for_the_torchrun_launcher(tmp_path):
-    script = dry_run(tmp_path / "run", "--nodes", "2", "--gpus-per-node", "4", "--set", "train.micro_batch_size=4", "--time", "12:00:00",
-                     "--partition", "gpu", "--env", "NCCL_SOCKET_IFNAME=eth0")
-    for line in ("#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=4", "#SBATCH --time=12:00:00",
-                 "#SBATCH --partition=gpu", "#SBATCH --signal=B:USR2@120", "#SBATCH --requeue", "#SBATCH --open-mode=append",
-                 "export NCCL_SOCKET_IFNAME=eth0", "trap on_warning USR2", 'scontrol requeue "$SLURM_JOB_ID"', "MAX_REQUEUES=3"):
+    script = dry_run(
+        tmp_path / "run",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--set",
+        "train.micro_batch_size=4",
+        "--time",
+        "12:00:00",
+        "--partition",
+        "gpu",
+        "--env",
+        "NCCL_SOCKET_IFNAME=eth0",
+    )
+    for line in (
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --time=12:00:00",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --signal=B:USR2@120",
+        "#SBATCH --requeue",
+        "#SBATCH --open-mode=append",
+        "export NCCL_SOCKET_IFNAME=eth0",
+        "trap on_warning USR2",
+        'scontrol requeue "$SLURM_JOB_ID"',
+        "MAX_REQUEUES=3",
+    ):
         assert line in script.splitlines() or line in script, line
     assert '--nnodes="$SLURM_NNODES" --nproc-per-node=4' in script
     assert '--rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID"' in script
@@ -54,10 +84,29 @@ def test_script_for_the_torchrun_launcher(tmp_path):
 
 
 def test_script_for_the_srun_launcher_on_cpus(tmp_path):
-    script = dry_run(tmp_path / "run", "--nproc-per-node", "2", "--launcher", "srun", "--signal", "USR1@300", "--max-requeues", "5",
-                     "--master-port", "29555", "--sbatch-option", "--mem=8G")
-    for line in ("#SBATCH --ntasks-per-node=2", "#SBATCH --signal=B:USR1@300", "#SBATCH --mem=8G", "export MASTER_PORT=29555",
-                 "MAX_REQUEUES=5", "trap on_warning USR1"):
+    script = dry_run(
+        tmp_path / "run",
+        "--nproc-per-node",
+        "2",
+        "--launcher",
+        "srun",
+        "--signal",
+        "USR1@300",
+        "--max-requeues",
+        "5",
+        "--master-port",
+        "29555",
+        "--sbatch-option",
+        "--mem=8G",
+    )
+    for line in (
+        "#SBATCH --ntasks-per-node=2",
+        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --mem=8G",
+        "export MASTER_PORT=29555",
+        "MAX_REQUEUES=5",
+        "trap on_warning USR1",
+    ):
         assert line in script.splitlines(), line
     assert "gpus-per-node" not in script and "torch.distributed.run" not in script
     assert f"srun --ntasks-per-node=2 --kill-on-bad-exit=1 \\\n    {sys.executable} -m zoa_train.cli run" in script
@@ -172,8 +221,7 @@ def test_an_srun_job_completes(cluster, cache_dir, tmp_path):
 
 def test_a_warned_job_checkpoints_requeues_and_finishes_like_an_uninterrupted_one(cluster, cache_dir, reference_run, tmp_path):
     run_dir = tmp_path / "run"
-    job_id = submit(cluster, run_dir, "--nproc-per-node", "2", "--max-requeues", "1", "--set", "train.keep_checkpoints=3",
-                    *short(STEPS, cache_dir, 60))
+    job_id = submit(cluster, run_dir, "--nproc-per-node", "2", "--max-requeues", "1", "--set", "train.keep_checkpoints=3", *short(STEPS, cache_dir, 60))
     metrics = run_dir / "metrics.jsonl"
     deadline = time.monotonic() + 180
     while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 2) and time.monotonic() < deadline:

@@ -28,9 +28,16 @@ def cache_dir(tmp_path_factory) -> Path:
 
 def tiny_images(cache_dir: Path, steps: int, *extra: str) -> list[str]:
     return sets(
-        f"train.steps={steps}", "train.global_batch_size=32", "train.micro_batch_size=16", "train.log_every=1",
-        "train.val_every=0", "train.val_batches=2", "logging.wandb=disabled", "logging.tensorboard=false",
-        f"data.cache_dir={cache_dir}", *extra,
+        f"train.steps={steps}",
+        "train.global_batch_size=32",
+        "train.micro_batch_size=16",
+        "train.log_every=1",
+        "train.val_every=0",
+        "train.val_batches=2",
+        "logging.wandb=disabled",
+        "logging.tensorboard=false",
+        f"data.cache_dir={cache_dir}",
+        *extra,
     )
 
 
@@ -41,9 +48,13 @@ def metrics(run_dir: Path) -> list[dict]:
 @pytest.mark.parametrize("optimizer", ["adam", "onebit_adam", "zero_one_adam"])
 def test_resnet18_tiny_trains_with_each_optimizer(tmp_path, cache_dir, optimizer):
     run_dir = tmp_path / optimizer
-    done = zoa("run", "recipes/resnet18_tiny.yaml", "--out", str(run_dir),
-               *tiny_images(cache_dir, 4, f"optimizer.name={optimizer}", "optimizer.freeze_step=2", "optimizer.var_freeze_step=2",
-                            "train.val_batches=100"))
+    done = zoa(
+        "run",
+        "recipes/resnet18_tiny.yaml",
+        "--out",
+        str(run_dir),
+        *tiny_images(cache_dir, 4, f"optimizer.name={optimizer}", "optimizer.freeze_step=2", "optimizer.var_freeze_step=2", "train.val_batches=100"),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = metrics(run_dir)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -57,8 +68,20 @@ def test_resnet18_tiny_trains_with_each_optimizer(tmp_path, cache_dir, optimizer
         # The last validation covered the whole set with the final, synchronised model (BatchNorm
         # statistics included), which is what the checkpoint holds: eval must agree exactly.
         scores = tmp_path / "eval.json"
-        done = zoa("eval", "imagenet", "--checkpoint", str(run_dir), "--data", str(cache_dir / "images" / "digits32" / "val"),
-                   "--batch-size", "16", "--workers", "0", "--json", str(scores))
+        done = zoa(
+            "eval",
+            "imagenet",
+            "--checkpoint",
+            str(run_dir),
+            "--data",
+            str(cache_dir / "images" / "digits32" / "val"),
+            "--batch-size",
+            "16",
+            "--workers",
+            "0",
+            "--json",
+            str(scores),
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         result = json.loads(scores.read_text())
         assert result["images"] == 360 and result["model"] == "resnet18"
@@ -69,8 +92,15 @@ def test_resnet18_tiny_trains_with_each_optimizer(tmp_path, cache_dir, optimizer
 def test_resnet18_tiny_resumes_exactly_mid_epoch_inside_a_local_period(tmp_path, cache_dir):
     # 44 batches per epoch: the checkpoint at step 3 is mid-epoch, inside a 3-step local period,
     # and one decoding worker per rank must not change which images a resumed run sees.
-    knobs = tiny_images(cache_dir, 6, "train.checkpoint_every=3", "optimizer.var_freeze_step=1", "optimizer.local_steps=fixed",
-                        "optimizer.local_step_interval=4", "data.workers=1")
+    knobs = tiny_images(
+        cache_dir,
+        6,
+        "train.checkpoint_every=3",
+        "optimizer.var_freeze_step=1",
+        "optimizer.local_steps=fixed",
+        "optimizer.local_step_interval=4",
+        "data.workers=1",
+    )
     first, second = tmp_path / "first", tmp_path / "second"
     done = zoa("run", "recipes/resnet18_tiny.yaml", "--out", str(first), *knobs)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -85,9 +115,21 @@ def test_resnet18_tiny_resumes_exactly_mid_epoch_inside_a_local_period(tmp_path,
 
 def test_validation_fires_on_its_own_schedule(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir),
-               *sets("train.steps=6", "train.log_every=4", "train.val_every=3", "train.val_batches=1", "train.checkpoint_every=0",
-                     "logging.wandb=disabled", f"data.cache_dir={cache_dir}"))
+    done = zoa(
+        "run",
+        "recipes/gpt2_tiny.yaml",
+        "--out",
+        str(run_dir),
+        *sets(
+            "train.steps=6",
+            "train.log_every=4",
+            "train.val_every=3",
+            "train.val_batches=1",
+            "train.checkpoint_every=0",
+            "logging.wandb=disabled",
+            f"data.cache_dir={cache_dir}",
+        ),
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     records = metrics(run_dir)
     assert [r["step"] for r in records] == [3, 4, 6]
@@ -100,8 +142,15 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 def test_run_directory_rules_hold_under_torchrun(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    knobs = sets("train.steps=2", "train.log_every=1", "train.val_every=0", "train.val_batches=1", "train.checkpoint_every=0",
-                 "logging.wandb=disabled", f"data.cache_dir={cache_dir}")
+    knobs = sets(
+        "train.steps=2",
+        "train.log_every=1",
+        "train.val_every=0",
+        "train.val_batches=1",
+        "train.checkpoint_every=0",
+        "logging.wandb=disabled",
+        f"data.cache_dir={cache_dir}",
+    )
     first = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *knobs, command=TORCHRUN)
     assert first.returncode == 0, first.stderr[-3000:]
     (run_dir / "notes.txt").write_text("mine")
@@ -143,9 +192,23 @@ def test_bad_image_data_stops_the_run_with_one_sentence(tmp_path, case):
     make, message = BAD_IMAGE_DATA[case]
     root = make(tmp_path / "images")
     # 32 images per epoch and a global batch of 32: the first step reads every image, on both ranks.
-    done = zoa("run", "recipes/resnet18_tiny.yaml", "--out", str(tmp_path / "run"),
-               *sets("data.source=folder", f"data.root={root}", "data.workers=1", "train.steps=2", "train.val_every=0",
-                     "train.global_batch_size=32", "train.micro_batch_size=16", "logging.wandb=disabled", "logging.tensorboard=false"))
+    done = zoa(
+        "run",
+        "recipes/resnet18_tiny.yaml",
+        "--out",
+        str(tmp_path / "run"),
+        *sets(
+            "data.source=folder",
+            f"data.root={root}",
+            "data.workers=1",
+            "train.steps=2",
+            "train.val_every=0",
+            "train.global_batch_size=32",
+            "train.micro_batch_size=16",
+            "logging.wandb=disabled",
+            "logging.tensorboard=false",
+        ),
+    )
     assert done.returncode == 2, done.stderr[-3000:]
     assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
 
@@ -154,8 +217,9 @@ def _dropout_outputs(rank, world_size, run_dir, cache_dir):
     from zoa_train.config import load_recipe
     from zoa_train.train.trainer import Trainer
 
-    recipe = load_recipe(ROOT / "recipes" / "gpt2_tiny.yaml", ["model.dropout=0.5", "logging.wandb=disabled", "logging.tensorboard=false",
-                                                              f"data.cache_dir={cache_dir}"])
+    recipe = load_recipe(
+        ROOT / "recipes" / "gpt2_tiny.yaml", ["model.dropout=0.5", "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={cache_dir}"]
+    )
     trainer = Trainer(recipe, Path(run_dir), None, overwrite=True)
     try:
         trainer.model.train()

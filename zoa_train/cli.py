@@ -1,13 +1,13 @@
 """zoa-train command line.
 
-  zoa-train run recipes/gpt2_tiny.yaml                     2 local CPU ranks (train.nproc), started here
-  zoa-train run recipes/gpt2.yaml --set optimizer.name=adam --nproc 8
-  torchrun --nproc-per-node 8 -m zoa_train.cli run recipes/gpt2.yaml      one process per rank
-  srun --ntasks-per-node 8 zoa-train run recipes/bert_large.yaml           rank and master from Slurm
-  zoa-train report runs/adam runs/zero_one_adam --out report   plots and a comparison table
-  zoa-train eval imagenet --checkpoint runs/resnet18_imagenet --data /data/imagenet/val      top-1 / top-5
-  zoa-train bench comm --sizes 1M,16M,64M --nproc 2        fp32 allreduce vs 1-bit allreduce
-  sudo zoa-train bench netsim --ranks 2 --bandwidth 100mbit  each optimizer over emulated network links
+zoa-train run recipes/gpt2_tiny.yaml                     2 local CPU ranks (train.nproc), started here
+zoa-train run recipes/gpt2.yaml --set optimizer.name=adam --nproc 8
+torchrun --nproc-per-node 8 -m zoa_train.cli run recipes/gpt2.yaml      one process per rank
+srun --ntasks-per-node 8 zoa-train run recipes/bert_large.yaml           rank and master from Slurm
+zoa-train report runs/adam runs/zero_one_adam --out report   plots and a comparison table
+zoa-train eval imagenet --checkpoint runs/resnet18_imagenet --data /data/imagenet/val      top-1 / top-5
+zoa-train bench comm --sizes 1M,16M,64M --nproc 2        fp32 allreduce vs 1-bit allreduce
+sudo zoa-train bench netsim --ranks 2 --bandwidth 100mbit  each optimizer over emulated network links
 """
 
 import json
@@ -60,8 +60,19 @@ def run_command(
     out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]")] = None,
     resume: Annotated[str, typer.Option(help="auto (latest complete checkpoint in the run directory) or a checkpoint directory.")] = "",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Empty a non-empty run directory first.")] = False,
-    reshard: Annotated[bool, typer.Option("--reshard", help="With --resume: allow a checkpoint of another number of ranks (1-bit error buffers reset, the data continue at the same sample; docs/faults.md).")] = False,
-    max_restarts: Annotated[int, typer.Option(help="When a rank dies, restart every rank from the latest complete checkpoint up to this many times (torch elastic; under torchrun pass torchrun's --max-restarts). [default: 0]")] = 0,
+    reshard: Annotated[
+        bool,
+        typer.Option(
+            "--reshard",
+            help="With --resume: allow a checkpoint of another number of ranks (1-bit error buffers reset, the data continue at the same sample; docs/faults.md).",
+        ),
+    ] = False,
+    max_restarts: Annotated[
+        int,
+        typer.Option(
+            help="When a rank dies, restart every rank from the latest complete checkpoint up to this many times (torch elastic; under torchrun pass torchrun's --max-restarts). [default: 0]"
+        ),
+    ] = 0,
 ) -> None:
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
     from zoa_train.config import check_batch_layout, load_recipe
@@ -76,7 +87,9 @@ def run_command(
     if max_restarts < 0:
         fail(f"--max-restarts must be 0 or more, not {max_restarts}.")
     if max_restarts and cluster_environment() is not None:
-        fail("--max-restarts restarts ranks that zoa-train run starts itself; under torchrun pass --max-restarts to torchrun (a restarted rank resumes by itself), under srun let Slurm requeue the job.")
+        fail(
+            "--max-restarts restarts ranks that zoa-train run starts itself; under torchrun pass --max-restarts to torchrun (a restarted rank resumes by itself), under srun let Slurm requeue the job."
+        )
     if cluster_environment() is None:
         world = nproc or config.train.nproc
         if world < 1:
@@ -93,7 +106,7 @@ def run_command(
         from rich.markup import escape
 
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     except LauncherSignalled as e:  # the ranks got the signal too; a stop signal made them checkpoint first
         import signal
 
@@ -106,7 +119,7 @@ def run_command(
             highlight=False,
             soft_wrap=True,
         )
-        raise typer.Exit(EXIT_PREEMPTED if e.signum in STOP_SIGNALS else 128 + e.signum)
+        raise typer.Exit(EXIT_PREEMPTED if e.signum in STOP_SIGNALS else 128 + e.signum) from None
     errors = sorted((r for r in results if r and "user_error" in r), key=lambda r: r.get("another_rank", False))
     if errors:  # the rank that met the problem first, then those it stopped
         fail(errors[0]["user_error"])
@@ -144,7 +157,9 @@ def slurm_command(
     nodes: Annotated[int, typer.Option(help="Nodes to allocate.")] = 1,
     gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node, one rank each (NCCL); 0 with --nproc-per-node: a CPU job (Gloo).")] = None,
     nproc_per_node: Annotated[int | None, typer.Option(help="Ranks per node. [default: --gpus-per-node]")] = None,
-    cpus_per_task: Annotated[int | None, typer.Option(help="CPUs per Slurm task (torchrun: per node; srun: per rank). [default: torchrun: one per rank]")] = None,
+    cpus_per_task: Annotated[
+        int | None, typer.Option(help="CPUs per Slurm task (torchrun: per node; srun: per rank). [default: torchrun: one per rank]")
+    ] = None,
     partition: Annotated[str, typer.Option(help="Slurm partition.")] = "",
     account: Annotated[str, typer.Option(help="Slurm account.")] = "",
     qos: Annotated[str, typer.Option(help="Slurm QOS.")] = "",
@@ -169,9 +184,21 @@ def slurm_command(
     from zoa_train.train.rundir import RunDirectory
 
     job = SlurmJob(
-        nodes=nodes, gpus_per_node=gpus_per_node, nproc_per_node=nproc_per_node, cpus_per_task=cpus_per_task,
-        partition=partition, account=account, qos=qos, time=time_limit, constraint=constraint, job_name=job_name,
-        env=parse_env(env), launcher=launcher, signal=signal_spec, max_requeues=max_requeues, master_port=master_port,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        nproc_per_node=nproc_per_node,
+        cpus_per_task=cpus_per_task,
+        partition=partition,
+        account=account,
+        qos=qos,
+        time=time_limit,
+        constraint=constraint,
+        job_name=job_name,
+        env=parse_env(env),
+        launcher=launcher,
+        signal=signal_spec,
+        max_requeues=max_requeues,
+        master_port=master_port,
         sbatch_options=sbatch_option,
     )
     config = load_recipe(recipe, set_)
@@ -260,7 +287,9 @@ def count_parameters(config) -> int:
 @app.command("report")
 def report_command(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run directories (each with metrics.jsonl), e.g. runs/gpt2_tiny.", show_default=False)],
-    out: Annotated[Path, typer.Option(help="Directory for report.md and the PNG plots; files of the same names are replaced. [default: report]")] = Path("report"),
+    out: Annotated[Path, typer.Option(help="Directory for report.md and the PNG plots; files of the same names are replaced. [default: report]")] = Path(
+        "report"
+    ),
 ) -> None:
     """Compare runs: loss, bits/param and step-kind plots (PNG) and a table of final losses, time, traffic and time to a common loss."""
     from zoa_train.report import write_report
@@ -276,11 +305,15 @@ def report_command(
 
 @eval_app.command("imagenet")
 def eval_imagenet(
-    checkpoint: Annotated[Path, typer.Option(help="A run directory (its latest complete checkpoint), a checkpoint directory or a model file.", show_default=False)],
+    checkpoint: Annotated[
+        Path, typer.Option(help="A run directory (its latest complete checkpoint), a checkpoint directory or a model file.", show_default=False)
+    ],
     data: Annotated[Path, typer.Option(help="An ImageFolder validation set: <class name>/<image> (e.g. ImageNet's val/).", show_default=False)],
     batch_size: Annotated[int, typer.Option(help="Images per forward pass. [default: 64]")] = 64,
     workers: Annotated[int, typer.Option(help="Decoding processes (per rank). [default: 4]")] = 4,
-    model: Annotated[str, typer.Option(help="resnet18, resnet34 or resnet50 for a bare model file. \\[default: the run's, else resnet18]", show_default=False)] = "",
+    model: Annotated[
+        str, typer.Option(help="resnet18, resnet34 or resnet50 for a bare model file. \\[default: the run's, else resnet18]", show_default=False)
+    ] = "",
     resize_size: Annotated[int, typer.Option(help="Shorter side before the centre crop. \\[default: the run's recipe, else 256]", show_default=False)] = 0,
     crop_size: Annotated[int, typer.Option(help="Centre crop. \\[default: the run's recipe, else 224]", show_default=False)] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")] = None,
@@ -309,11 +342,14 @@ def eval_imagenet(
 # Commands defined beside their code in zoa_train/evaluation/ (each module imports its heavy
 # dependencies inside the command, so `zoa-train --help` stays fast).
 from zoa_train.evaluation.export import export_command  # noqa: E402
+
 app.command("export")(export_command)
 from zoa_train.evaluation.language import lambada_command, wikitext_command  # noqa: E402
+
 eval_app.command("wikitext")(wikitext_command)
 eval_app.command("lambada")(lambada_command)
 from zoa_train.evaluation.glue import glue_command  # noqa: E402
+
 eval_app.command("glue")(glue_command)
 
 
@@ -396,12 +432,23 @@ def bench_netsim(
     ranks: Annotated[int, typer.Option(help="Ranks, one network namespace each. [default: 2]")] = 2,
     bandwidth: Annotated[str, typer.Option(help="Rate of each rank's link, both directions, e.g. 100mbit, 1Gbit, 12.5MB/s. [default: 100mbit]")] = "100mbit",
     latency: Annotated[str, typer.Option(help="One-way delay between two ranks (netem), e.g. 1ms; 0 shapes the rate only. [default: 1ms]")] = "1ms",
-    optimizers: Annotated[str, typer.Option(help="Comma-separated optimizers to train, Adam first; all: every registered one (those of the recipe's imports too); none: bench comm only. [default: all]")] = "all",
+    optimizers: Annotated[
+        str,
+        typer.Option(
+            help="Comma-separated optimizers to train, Adam first; all: every registered one (those of the recipe's imports too); none: bench comm only. [default: all]"
+        ),
+    ] = "all",
     steps: Annotated[int, typer.Option(help="Sets train.steps for every run. [default: the recipe's]")] = 0,
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value in every run: section.key=value (repeatable).")] = [],
-    comm_sizes: Annotated[str, typer.Option(help="Element counts for bench comm over the same links (k, M, G suffixes), or none. [default: the model's parameter count]")] = "",
-    out: Annotated[Path, typer.Option(help="Run directories OUT/<optimizer> (replaced), rank logs OUT/logs, results OUT/netsim.json. [default: runs/netsim]")] = Path("runs/netsim"),
-    margin: Annotated[float, typer.Option(help="Time to target counts until Adam's final val_loss times 1 + MARGIN is reached, e.g. 0.02 for within 2%. [default: 0]")] = 0.0,
+    comm_sizes: Annotated[
+        str, typer.Option(help="Element counts for bench comm over the same links (k, M, G suffixes), or none. [default: the model's parameter count]")
+    ] = "",
+    out: Annotated[
+        Path, typer.Option(help="Run directories OUT/<optimizer> (replaced), rank logs OUT/logs, results OUT/netsim.json. [default: runs/netsim]")
+    ] = Path("runs/netsim"),
+    margin: Annotated[
+        float, typer.Option(help="Time to target counts until Adam's final val_loss times 1 + MARGIN is reached, e.g. 0.02 for within 2%. [default: 0]")
+    ] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object instead of tables.")] = False,
 ) -> None:
     """Train each optimizer on ranks in network namespaces joined by a bridge over rate-limited, delayed veth links, same recipe and seed.
@@ -436,7 +483,7 @@ def bench_netsim(
         from rich.markup import escape
 
         Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
-        raise typer.Exit(1)
+        raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(result))
     else:

@@ -200,7 +200,9 @@ def apply_override(data: dict, override: str) -> None:
 # Keys other trainers use to shard or split the model (DeepSpeed's zero_optimization, FSDP, Megatron's
 # tensor/pipeline sizes). The 1-bit optimizers need every rank to hold the whole model and optimizer
 # state, so there is no such key here; an unknown one of these is refused with that reason.
-_MODEL_SPLITTING = re.compile(r"^zero$|zero_?(stage|optimi[sz]ation|\d)|fsdp|shard|tensor_?(model_?)?parallel|pipeline|model_?parallel|^[tp]p(_size|_degree)?$|deepspeed|megatron")
+_MODEL_SPLITTING = re.compile(
+    r"^zero$|zero_?(stage|optimi[sz]ation|\d)|fsdp|shard|tensor_?(model_?)?parallel|pipeline|model_?parallel|^[tp]p(_size|_degree)?$|deepspeed|megatron"
+)
 
 
 def build_section(cls, data, origin: str, prefix: str = ""):
@@ -332,7 +334,6 @@ def check_batch_layout(recipe: Recipe, world_size: int, origin: str = "recipe") 
     per_step = t.micro_batch_size * world_size
     if t.global_batch_size % per_step:
         raise UserError(
-            f"{origin}: train.global_batch_size {t.global_batch_size} is not divisible by "
-            f"micro_batch_size x world size = {t.micro_batch_size} x {world_size}."
+            f"{origin}: train.global_batch_size {t.global_batch_size} is not divisible by micro_batch_size x world size = {t.micro_batch_size} x {world_size}."
         )
     return t.global_batch_size // per_step

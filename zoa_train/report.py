@@ -115,6 +115,7 @@ def markdown_table(columns: list[str], rows: list[list[str]]) -> str:
 
 # ---- plots ------------------------------------------------------------------------------------
 
+
 def plot_losses(runs: list[RunLog], path: Path) -> None:
     """Rows: training loss, validation loss. Columns: against step, wall-clock time, bytes sent."""
     axes_x = [("step", "step", 1.0), ("wall_time", "wall-clock time (s)", 1.0), ("bytes_sent", "bytes sent per rank (MB, log scale)", 1 / MB)]
@@ -123,8 +124,9 @@ def plot_losses(runs: list[RunLog], path: Path) -> None:
     for label, run, style in zip(labels(runs), runs, styles(runs)):
         for column, (x_key, _, scale) in enumerate(axes_x):
             train = [r for r in run.series("loss") if x_key in r]
-            grid[0, column].plot([r[x_key] * scale for r in train], [r["loss"] for r in train], label=label,
-                                 color=style["color"], linestyle=style["linestyle"], linewidth=1.5)
+            grid[0, column].plot(
+                [r[x_key] * scale for r in train], [r["loss"] for r in train], label=label, color=style["color"], linestyle=style["linestyle"], linewidth=1.5
+            )
             val = [r for r in run.series("val_loss") if x_key in r]
             grid[1, column].plot([r[x_key] * scale for r in val], [r["val_loss"] for r in val], label=label, markersize=5, **style)
     for row, what in enumerate(["training loss", "validation loss"]):
@@ -145,8 +147,9 @@ def plot_bits(runs: list[RunLog], path: Path) -> None:
     ax = fig.subplots()
     for label, run, style in zip(labels(runs), runs, styles(runs)):
         series = run.series("bits_per_param")
-        ax.plot([r["step"] for r in series], [r["bits_per_param"] for r in series], label=label,
-                color=style["color"], linestyle=style["linestyle"], linewidth=1.8)
+        ax.plot(
+            [r["step"] for r in series], [r["bits_per_param"] for r in series], label=label, color=style["color"], linestyle=style["linestyle"], linewidth=1.8
+        )
     ax.set_yscale("log", base=2)  # 16 (adam) down to well under 1 (0/1 Adam) on one readable axis
     ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))  # 0.5, 1, 2, 4 ... rather than 2^-1
     ax.set_xlabel("step")
@@ -177,8 +180,9 @@ def plot_step_kinds(runs: list[RunLog], path: Path) -> list[str]:
     """One row per run, one cell per step, coloured by kind; returns notes on runs without step_kinds."""
     names = labels(runs)
     per_run = [step_kinds(r) for r in runs]
-    notes = [f"{name}: no step_kinds in metrics.jsonl (a run from before they were logged), left blank."
-             for name, kinds in zip(names, per_run) if kinds is None]
+    notes = [
+        f"{name}: no step_kinds in metrics.jsonl (a run from before they were logged), left blank." for name, kinds in zip(names, per_run) if kinds is None
+    ]
     steps = max((len(k) for k in per_run if k is not None), default=1)
     grid = np.full((len(runs), steps), -1, dtype=np.int8)
     for row, kinds in enumerate(per_run):
@@ -189,8 +193,15 @@ def plot_step_kinds(runs: list[RunLog], path: Path) -> list[str]:
     cmap = ListedColormap([KIND_COLOURS[k] for k in STEP_KINDS])
     # Nearest-neighbour: kinds are categories and must not be blended when many steps share a pixel
     # (with far more steps than pixels each pixel then shows one of its steps).
-    ax.imshow(np.ma.masked_less(grid, 0), cmap=cmap, vmin=-0.5, vmax=len(STEP_KINDS) - 0.5, aspect="auto",
-              interpolation="nearest", extent=(0.5, steps + 0.5, len(runs) - 0.5, -0.5))
+    ax.imshow(
+        np.ma.masked_less(grid, 0),
+        cmap=cmap,
+        vmin=-0.5,
+        vmax=len(STEP_KINDS) - 0.5,
+        aspect="auto",
+        interpolation="nearest",
+        extent=(0.5, steps + 0.5, len(runs) - 0.5, -0.5),
+    )
     for row, kinds in enumerate(per_run):
         if row:
             ax.axhline(row - 0.5, color="white", linewidth=3)  # runs apart at a glance
@@ -209,6 +220,7 @@ def plot_step_kinds(runs: list[RunLog], path: Path) -> list[str]:
 
 # ---- the whole report -------------------------------------------------------------------------
 
+
 def write_report(paths: list[Path], out: Path) -> Report:
     runs, notes = load_runs(paths)
     target = best_common_loss(runs)
@@ -223,9 +235,12 @@ def write_report(paths: list[Path], out: Path) -> Report:
     text = ["# zoa-train report", "", "Runs: " + ", ".join(f"`{r.path}`" for r in runs), "", markdown]
     text.append(
         "Bits/param is the average over all steps; MB sent/rank is cumulative. "
-        + (f"Time to val {target:.3f}: the highest of the runs' final validation losses, i.e. the best loss every run "
-           "reaches; the wall time and step of each run's first validation at or below it."
-           if target is not None else "No run logged a validation loss, so there is no time to a common loss.")
+        + (
+            f"Time to val {target:.3f}: the highest of the runs' final validation losses, i.e. the best loss every run "
+            "reaches; the wall time and step of each run's first validation at or below it."
+            if target is not None
+            else "No run logged a validation loss, so there is no time to a common loss."
+        )
     )
     text.append("")
     for name, title in images.items():

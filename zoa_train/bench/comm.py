@@ -100,10 +100,10 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None) -> list[dict]
 
         work = torch.empty_like(x)
 
-        def reset():
+        def reset(work=work, x=x):
             work.copy_(x)
 
-        pairs = [(reset, lambda: dist.all_reduce(work)), (reset, lambda: comm.op(work))]
+        pairs = [(reset, lambda work=work: dist.all_reduce(work)), (reset, lambda work=work, comm=comm: comm.op(work))]
         _median_times(pairs, 1, device)  # warm-up
         fp32_s, onebit_s = _median_times(pairs, repeats, device)
 
@@ -217,4 +217,3 @@ def profile_rank(groups: list[list[int]], calls: int, block_size: int | None, pe
         "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1])),
         "seconds_per_step": statistics.median(seconds),
     }
-

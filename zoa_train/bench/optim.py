@@ -200,7 +200,7 @@ def _run(params_millions: float, repeats: int, threads: int, device: torch.devic
     }
 
 
-def _param_maker(shapes: list[tuple[str, tuple[int, ...]]], device: torch.device = torch.device("cpu")):
+def _param_maker(shapes: list[tuple[str, tuple[int, ...]]], device: torch.device | str = "cpu"):
     """A function returning fresh parameters (same values each call) whose .grad is already set."""
     g = torch.Generator().manual_seed(0)
     initial = [(torch.randn(shape, generator=g) * 0.02).to(device) for _, shape in shapes]
@@ -226,8 +226,15 @@ def profile_zero_one_local_step(params_millions: float = 25.0, steps: int = 5, t
     try:
         shapes, _ = model_shapes(params_millions)
         opt = ZeroOneAdam(
-            _param_maker(shapes)(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY, bias_correction=True,
-            var_freeze_step=1, local_steps="fixed", local_step_interval=10**9,
+            _param_maker(shapes)(),
+            lr=LR,
+            betas=BETAS,
+            eps=EPS,
+            weight_decay=WEIGHT_DECAY,
+            bias_correction=True,
+            var_freeze_step=1,
+            local_steps="fixed",
+            local_step_interval=10**9,
         )
         for _ in range(WARMUP_STEPS):
             opt.step()
@@ -311,10 +318,7 @@ def format_optimizer_bench(result: dict) -> Table:
             f"{r['workspace_copies']:.4f}",
         )
     verdict = "met" if result["target_met"] else "NOT met"
-    measured.caption = (
-        f"target: ZeroOneAdam local step <= {result['target_local_vs_adamw']}x AdamW(fused): "
-        f"{result['local_vs_adamw']:.2f}x, {verdict}"
-    )
+    measured.caption = f"target: ZeroOneAdam local step <= {result['target_local_vs_adamw']}x AdamW(fused): {result['local_vs_adamw']:.2f}x, {verdict}"
 
     analytic = Table(title="Buffers by world size n in fp32 copies of the model, from OneBitAllReduce's sizing rules")
     for name in ("n", "0/1 Adam state", "comm workspace", "0/1 Adam total", "DeepSpeed 0/1 Adam 4 + 1/n", "1-bit Adam state"):

@@ -31,8 +31,9 @@ Several buffers (an optimizer's parameter groups, each in its own layout) share 
 wire segment holds every buffer's part for that rank, so all groups cost two collectives.
 """
 
+from collections.abc import Sequence
 from itertools import accumulate
-from typing import NamedTuple, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -116,7 +117,7 @@ def _layout_with_rows(sizes: tuple[int, ...], world_size: int, row: int) -> OneB
         offsets.append(end)
         end += size
         in_small_run = small
-    rows = -(-(-(-end // row)) // world_size)
+    rows = -(-(-(-end // row)) // world_size)  # noqa: B002 -- nested ceiling divisions, not a decrement
     chunk = rows * row
     return OneBitLayout(sizes, tuple(offsets), world_size * chunk, chunk, rows, row, chunk // 8 + _SCALE_BYTES * rows)
 
@@ -433,7 +434,14 @@ class OneBitAllReduce:
         for part, o, _ in active:
             for b in part.blocks:
                 rows = b.gathered_scales.numel()
-                unpack_rows(b.gathered_signs, b.gathered_scales, self._rows(o, part.layout, b), self._index[: b.gathered_signs.numel()], self._tables[: rows * 256 * 8], self._flags)
+                unpack_rows(
+                    b.gathered_signs,
+                    b.gathered_scales,
+                    self._rows(o, part.layout, b),
+                    self._index[: b.gathered_signs.numel()],
+                    self._tables[: rows * 256 * 8],
+                    self._flags,
+                )
             o.index_fill_(0, part.padding, 0)
 
         self.ledger.record("onebit_allreduce", payload_bits=1, elements=self.numel, bytes_sent=self.bytes_per_call, calls=2)
@@ -509,7 +517,9 @@ class OneBitAllReduce:
         old = saved if "offsets" in saved else onebit_layout(layout.sizes, saved["world_size"], self.scale_row)._asdict()
         offsets = old["offsets"]
         if not flat.numel() == saved["padded"] == old["padded"] or len(offsets) != len(layout.sizes):
-            raise ValueError(f"a buffer of {flat.numel()} elements saved on {saved['world_size']} ranks is not in a 1-bit layout of these {len(layout.sizes)} tensors")
+            raise ValueError(
+                f"a buffer of {flat.numel()} elements saved on {saved['world_size']} ranks is not in a 1-bit layout of these {len(layout.sizes)} tensors"
+            )
         out = torch.zeros(layout.padded, dtype=flat.dtype)  # padding stays zero, as the optimizers keep it
         for size, old, new in zip(layout.sizes, offsets, layout.offsets):
             out[new : new + size] = flat[old : old + size]

@@ -98,9 +98,7 @@ def _build_digits(root: Path) -> None:
     labels = digits.target
     # Stratified, so each class keeps its share in both splits: 360 of 1,797 held out. An integer
     # random_state draws from numpy's legacy RandomState, whose stream numpy keeps fixed across versions.
-    _, val_indices = train_test_split(
-        np.arange(len(labels)), test_size=DIGITS_VAL_FRACTION, stratify=labels, random_state=_DIGITS_SPLIT_SEED
-    )
+    _, val_indices = train_test_split(np.arange(len(labels)), test_size=DIGITS_VAL_FRACTION, stratify=labels, random_state=_DIGITS_SPLIT_SEED)
     val = np.zeros(len(labels), dtype=bool)
     val[val_indices] = True
     tmp = temporary_name(root)
@@ -141,9 +139,7 @@ def scan_image_folder(path: str | Path) -> tuple[list[Sample], list[str]]:
     try:
         classes, class_to_index = find_classes(path)
     except FileNotFoundError:
-        raise UserError(
-            f"Image folder {path} has no class subfolders; it should hold one folder of images per class (<class name>/<image>)."
-        ) from None
+        raise UserError(f"Image folder {path} has no class subfolders; it should hold one folder of images per class (<class name>/<image>).") from None
     except OSError as e:
         raise UserError(f"Could not read image folder {path} ({e.strerror or e}).") from None
     try:
@@ -454,10 +450,9 @@ def image_validation_batches(
     if micro_batch_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"need 0 <= rank < world_size and micro_batch_size >= 1, got {rank}, {world_size}, {micro_batch_size}")
     start, stop = rank * len(samples) // world_size, (rank + 1) * len(samples) // world_size
-    batches = [
-        [(index - start, index) for index in range(first, min(first + micro_batch_size, stop))]
-        for first in range(start, stop, micro_batch_size)
-    ][:max_batches]
+    batches = [[(index - start, index) for index in range(first, min(first + micro_batch_size, stop))] for first in range(start, stop, micro_batch_size)][
+        :max_batches
+    ]
     if not batches:
         return
     dataset = ImageDataset(samples[start:stop], transform)

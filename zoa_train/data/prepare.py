@@ -28,9 +28,7 @@ class LMData:
     validation: np.memmap
 
 
-def prepare_lm_data(
-    source: TextSource, kind: str, cache_dir: str | Path, tokenizer: str | None = None, vocab_size: int = 8192
-) -> LMData:
+def prepare_lm_data(source: TextSource, kind: str, cache_dir: str | Path, tokenizer: str | None = None, vocab_size: int = 8192) -> LMData:
     """Load or train the tokenizer (trained on the train split only), then load or build both token files.
 
     ``tokenizer`` is a hub name or local directory of a pretrained tokenizer; when empty, one of

@@ -36,9 +36,7 @@ FORMAT_VERSION = 1
 ENCODE_BATCH = 2048  # documents per encode_batch call: enough to keep the Rust threads busy
 
 
-def load_or_build_tokens(
-    source: TextSource, split: str, tokenizer: "PreTrainedTokenizerBase", cache_dir: str | Path
-) -> np.memmap:
+def load_or_build_tokens(source: TextSource, split: str, tokenizer: "PreTrainedTokenizerBase", cache_dir: str | Path) -> np.memmap:
     """The token ids of ``split`` as a read-only memmap, tokenizing only if the cache lacks them.
 
     Safe to call from all ranks at once: one builds under an exclusive lock, the others wait on it
@@ -49,9 +47,7 @@ def load_or_build_tokens(
     separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
     if separator is None:
         raise UserError("The tokenizer has neither an EOS nor a SEP token to separate documents.")
-    key = hashlib.sha256(
-        json.dumps([FORMAT_VERSION, source_fingerprint(source), split, backend.to_str(), separator]).encode()
-    ).hexdigest()[:20]
+    key = hashlib.sha256(json.dumps([FORMAT_VERSION, source_fingerprint(source), split, backend.to_str(), separator]).encode()).hexdigest()[:20]
     bin_path, meta_path = cache_dir / f"tokens-{key}.bin", cache_dir / f"tokens-{key}.json"
     if not meta_path.exists():
         with exclusive_lock(cache_dir / f"tokens-{key}.lock"):

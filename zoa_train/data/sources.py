@@ -84,8 +84,7 @@ def source_fingerprint(source: TextSource) -> str:
         identity["content"] = hashlib.sha256(BUNDLED_CORPUS.read_bytes()).hexdigest()
     elif source.name == "files":
         identity["files"] = [
-            [str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns]
-            for p in map(Path, _expand(source.train_files) + _expand(source.validation_files))
+            [str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns] for p in map(Path, _expand(source.train_files) + _expand(source.validation_files))
         ]
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()
 
@@ -120,9 +119,7 @@ def _load_split(source: TextSource, split: str, cache_dir):
         try:
             splits = datasets.load_dataset(source.name, source.config, cache_dir=cache_dir)
         except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
-            raise UserError(
-                f"Could not load {described} ({e}); without internet use name 'bundled' or local files."
-            ) from e
+            raise UserError(f"Could not load {described} ({e}); without internet use name 'bundled' or local files.") from e
         train_name, val_name = source.train_split, source.validation_split
         if train_name not in splits:
             raise UserError(f"The {described} has no split {train_name!r}; it has {sorted(splits)}.")

@@ -72,9 +72,7 @@ def _load_pretrained(name_or_path: str) -> "PreTrainedTokenizerBase":
     try:
         return AutoTokenizer.from_pretrained(local if local.is_dir() else name_or_path)
     except (OSError, ValueError) as e:
-        raise UserError(
-            f"Could not load tokenizer {name_or_path!r} ({e}); offline, give a local directory or leave it empty to train one."
-        ) from e
+        raise UserError(f"Could not load tokenizer {name_or_path!r} ({e}); offline, give a local directory or leave it empty to train one.") from e
 
 
 def _train_and_save(kind: str, texts: Iterable[str], vocab_size: int, out_dir: Path) -> None:
@@ -124,7 +122,5 @@ def _bert_wordpiece(vocab_size: int) -> tuple[Tokenizer, trainers.Trainer, dict[
         pair=f"{cls} $A {sep} $B:1 {sep}:1",
         special_tokens=[(cls, specials.index(cls)), (sep, specials.index(sep))],
     )
-    trainer = trainers.WordPieceTrainer(
-        vocab_size=vocab_size, min_frequency=2, special_tokens=specials, continuing_subword_prefix="##", show_progress=False
-    )
+    trainer = trainers.WordPieceTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=specials, continuing_subword_prefix="##", show_progress=False)
     return backend, trainer, dict(BERT_SPECIALS)

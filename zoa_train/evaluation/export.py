@@ -182,7 +182,9 @@ def _size(n: float) -> str:
 
 
 def export_command(
-    checkpoint: Annotated[Path, typer.Argument(help="A run directory (its latest complete checkpoint), a checkpoint directory or a model file.", show_default=False)],
+    checkpoint: Annotated[
+        Path, typer.Argument(help="A run directory (its latest complete checkpoint), a checkpoint directory or a model file.", show_default=False)
+    ],
     out_dir: Annotated[Path, typer.Argument(help="The Hugging Face model directory to write; absent or empty unless --overwrite.", show_default=False)],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT_DIR (only once the new export is complete).")] = False,
 ) -> None:

@@ -92,21 +92,67 @@ _ENTAILMENT = ("entailment", "not_entailment")
 TASKS = {
     t.name: t
     for t in (
-        GlueTask("cola", "CoLA", "CoLA", ("sentence",), "label", ("source", "label", "original label mark", "sentence"),
-                 header=False, hub_text=("sentence",), main=("matthews_correlation",)),
+        GlueTask(
+            "cola",
+            "CoLA",
+            "CoLA",
+            ("sentence",),
+            "label",
+            ("source", "label", "original label mark", "sentence"),
+            header=False,
+            hub_text=("sentence",),
+            main=("matthews_correlation",),
+        ),
         GlueTask("sst2", "SST-2", "SST-2", ("sentence",), "label", ("sentence", "label"), hub_text=("sentence",)),
-        GlueTask("mrpc", "MRPC", "MRPC", ("#1 String", "#2 String"), "Quality", ("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"),
-                 main=("f1", "accuracy")),
-        GlueTask("stsb", "STS-B", "STS-B", ("sentence1", "sentence2"), "score", ("sentence1", "sentence2", "score"),
-                 num_labels=1, label_last=True, main=("pearson", "spearmanr")),
-        GlueTask("qqp", "QQP", "QQP", ("question1", "question2"), "is_duplicate", ("id", "qid1", "qid2", "question1", "question2", "is_duplicate"),
-                 hub_text=("question1", "question2"), main=("f1", "accuracy")),
-        GlueTask("mnli", "MNLI", "MNLI", ("sentence1", "sentence2"), "gold_label", ("sentence1", "sentence2", "gold_label"),
-                 labels=("entailment", "neutral", "contradiction"), num_labels=3, label_last=True,
-                 dev_files=(("", "dev_matched.tsv"), ("_mm", "dev_mismatched.tsv")), hub_text=("premise", "hypothesis"),
-                 hub_dev=(("", "validation_matched"), ("_mm", "validation_mismatched")), main=("accuracy", "accuracy_mm")),
-        GlueTask("qnli", "QNLI", "QNLI", ("question", "sentence"), "label", ("index", "question", "sentence", "label"),
-                 labels=_ENTAILMENT, hub_text=("question", "sentence")),
+        GlueTask(
+            "mrpc", "MRPC", "MRPC", ("#1 String", "#2 String"), "Quality", ("Quality", "#1 ID", "#2 ID", "#1 String", "#2 String"), main=("f1", "accuracy")
+        ),
+        GlueTask(
+            "stsb",
+            "STS-B",
+            "STS-B",
+            ("sentence1", "sentence2"),
+            "score",
+            ("sentence1", "sentence2", "score"),
+            num_labels=1,
+            label_last=True,
+            main=("pearson", "spearmanr"),
+        ),
+        GlueTask(
+            "qqp",
+            "QQP",
+            "QQP",
+            ("question1", "question2"),
+            "is_duplicate",
+            ("id", "qid1", "qid2", "question1", "question2", "is_duplicate"),
+            hub_text=("question1", "question2"),
+            main=("f1", "accuracy"),
+        ),
+        GlueTask(
+            "mnli",
+            "MNLI",
+            "MNLI",
+            ("sentence1", "sentence2"),
+            "gold_label",
+            ("sentence1", "sentence2", "gold_label"),
+            labels=("entailment", "neutral", "contradiction"),
+            num_labels=3,
+            label_last=True,
+            dev_files=(("", "dev_matched.tsv"), ("_mm", "dev_mismatched.tsv")),
+            hub_text=("premise", "hypothesis"),
+            hub_dev=(("", "validation_matched"), ("_mm", "validation_mismatched")),
+            main=("accuracy", "accuracy_mm"),
+        ),
+        GlueTask(
+            "qnli",
+            "QNLI",
+            "QNLI",
+            ("question", "sentence"),
+            "label",
+            ("index", "question", "sentence", "label"),
+            labels=_ENTAILMENT,
+            hub_text=("question", "sentence"),
+        ),
         GlueTask("rte", "RTE", "RTE", ("sentence1", "sentence2"), "label", ("index", "sentence1", "sentence2", "label"), labels=_ENTAILMENT),
         GlueTask("wnli", "WNLI", "WNLI", ("sentence1", "sentence2"), "label", ("index", "sentence1", "sentence2", "label")),
     )
@@ -197,8 +243,10 @@ def read_glue_tsv(path: str | Path, task: str | GlueTask) -> Split:
     task = TASKS[task] if isinstance(task, str) else task
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"{path} does not exist; GLUE {task.title} needs {task.directory}/train.tsv and "
-                        f"{' and '.join(f'{task.directory}/{f}' for _, f in task.dev_files)} under --data-dir.")
+        raise UserError(
+            f"{path} does not exist; GLUE {task.title} needs {task.directory}/train.tsv and "
+            f"{' and '.join(f'{task.directory}/{f}' for _, f in task.dev_files)} under --data-dir."
+        )
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
             rows = list(csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
@@ -213,14 +261,18 @@ def read_glue_tsv(path: str | Path, task: str | GlueTask) -> Split:
         missing = [name for name in (*task.text, task.label) if name not in header]
         if missing or (task.label_last and header[-1] != task.label):
             found = ", ".join(header[:12]) + (", ..." if len(header) > 12 else "")
-            raise UserError(f"{path} does not have GLUE {task.title}'s columns: expected a tab-separated header with {_columns(task)}, found {found or 'an empty line'}.")
+            raise UserError(
+                f"{path} does not have GLUE {task.title}'s columns: expected a tab-separated header with {_columns(task)}, found {found or 'an empty line'}."
+            )
         text_at = [header.index(name) for name in task.text]
         label_at = len(header) - 1 if task.label_last else header.index(task.label)
         width = len(header)
     else:
         body, first_line = rows, 1
         if rows and (len(rows[0]) != _COLA_FIELDS or rows[0][1].strip() not in ("0", "1")):
-            raise UserError(f"{path} does not have GLUE {task.title}'s columns: expected {_columns(task)}, found {len(rows[0])} field(s) starting {rows[0][:2]}.")
+            raise UserError(
+                f"{path} does not have GLUE {task.title}'s columns: expected {_columns(task)}, found {len(rows[0])} field(s) starting {rows[0][:2]}."
+            )
         text_at, label_at, width = [3], 1, _COLA_FIELDS
     for line, row in enumerate(body, first_line):
         raw = (row[-1] if task.label_last else row[label_at]).strip() if len(row) >= width else ""
@@ -561,8 +613,17 @@ def evaluate_glue(checkpoint: str | Path, task: str, data_dir: str | Path, overr
                     bar = progress.add_task(f"{label}: fine-tuning", total=None)
                     torch.manual_seed(seed)
                     model = classification_model(config, encoder_state, spec.num_labels).to(device)
-                    finetune(model, train, cfg, seed, device, rank, world,
-                             advance=lambda n, bar=bar: progress.advance(bar, n), start=lambda total, bar=bar: progress.update(bar, total=total))
+                    finetune(
+                        model,
+                        train,
+                        cfg,
+                        seed,
+                        device,
+                        rank,
+                        world,
+                        advance=lambda n, bar=bar: progress.advance(bar, n),
+                        start=lambda total, bar=bar: progress.update(bar, total=total),
+                    )
                     progress.update(bar, description=f"{label}: evaluating")
                     metrics = {"seed": seed}
                     for suffix, dev in devs.items():
@@ -630,8 +691,9 @@ def _progress(show: bool):
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
-                    console=Console(stderr=True))
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True)
+    )
 
 
 def format_glue(result: dict):
@@ -668,10 +730,25 @@ def _json_safe(value):
 
 
 def glue_command(
-    checkpoint: Annotated[Path, typer.Option(help="A BERT run directory (its latest complete checkpoint), checkpoint directory, model file or Hugging Face directory.", show_default=False)],
+    checkpoint: Annotated[
+        Path,
+        typer.Option(
+            help="A BERT run directory (its latest complete checkpoint), checkpoint directory, model file or Hugging Face directory.", show_default=False
+        ),
+    ],
     task: Annotated[str, typer.Option(help="cola, sst2, mrpc, stsb, qqp, mnli, qnli, rte, wnli, or all (with the GLUE average).", show_default=False)],
-    data_dir: Annotated[str, typer.Option("--data-dir", help="The GLUE distribution (CoLA/train.tsv, CoLA/dev.tsv, ...), or hub for the hub's nyu-mll/glue when online. [default: glue_data]")] = "glue_data",
-    set_: Annotated[list[str], typer.Option("--set", help="Fine-tuning setting: finetune.lr, .epochs, .batch_size, .seq_len, .warmup_ratio, .weight_decay, .grad_clip, .seed (repeatable).")] = [],
+    data_dir: Annotated[
+        str,
+        typer.Option(
+            "--data-dir", help="The GLUE distribution (CoLA/train.tsv, CoLA/dev.tsv, ...), or hub for the hub's nyu-mll/glue when online. [default: glue_data]"
+        ),
+    ] = "glue_data",
+    set_: Annotated[
+        list[str],
+        typer.Option(
+            "--set", help="Fine-tuning setting: finetune.lr, .epochs, .batch_size, .seq_len, .warmup_ratio, .weight_decay, .grad_clip, .seed (repeatable)."
+        ),
+    ] = [],
     seeds: Annotated[int, typer.Option(help="Fine-tune with seeds seed .. seed+K-1 and report the medians. [default: 1]")] = 1,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:

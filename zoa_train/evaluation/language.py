@@ -60,8 +60,7 @@ _SEPARATORS = ((" @-@ ", "-"), (" @,@ ", ","), (" @.@ ", "."))  # hyphens and nu
 _PUNCTUATION = tuple((f" {mark} ", f"{mark} ") for mark in ":;.!?,")  # no space before punctuation
 _PAIRS = (("(", ")"), ("[", "]"), ("{", "}"), ('"', '"'), ("'", "'"))  # no spaces just inside brackets and quotes
 _PAIR_PATTERNS = tuple(
-    (re.compile(f"{re.escape(opening)}\\s*([^{re.escape(closing)}]*?)\\s*{re.escape(closing)}"), f"{opening}\\1{closing}")
-    for opening, closing in _PAIRS
+    (re.compile(f"{re.escape(opening)}\\s*([^{re.escape(closing)}]*?)\\s*{re.escape(closing)}"), f"{opening}\\1{closing}") for opening, closing in _PAIRS
 )
 _HEADINGS = (("= = = =", "===="), ("= = =", "==="), ("= =", "=="))  # section heading markers, longest first
 _LAST = ((" \N{DEGREE SIGN} ", "\N{DEGREE SIGN}"), (" \n", "\n"), ("\n ", "\n"), (" N ", " 1 "), (" 's", "'s"))
@@ -300,7 +299,9 @@ def read_wikitext(data: str) -> tuple[str, str]:
         try:
             lines = datasets.load_dataset(name, config, split="test")["text"]
         except Exception as e:  # noqa: BLE001 -- offline, renamed, or missing: all the same to the user
-            raise UserError(f"could not load the hub dataset {name} ({config}): {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; offline, give --data wiki.test.tokens.") from None
+            raise UserError(
+                f"could not load the hub dataset {name} ({config}): {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; offline, give --data wiki.test.tokens."
+            ) from None
         # The hub keeps the file's lines with their line breaks, and its blank lines (" \n" in the file) as "".
         return "".join(line or " \n" for line in lines), f"hub:{name}/{config}/test"
     path = Path(data)
@@ -369,7 +370,9 @@ def read_lambada(data: str) -> tuple[list[str], str]:
         try:
             texts = datasets.load_dataset(name, config, split="test")["text"]
         except Exception as e:  # noqa: BLE001
-            raise UserError(f"could not load the hub dataset {name} ({config}): {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; offline, give --data lambada_test.jsonl.") from None
+            raise UserError(
+                f"could not load the hub dataset {name} ({config}): {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; offline, give --data lambada_test.jsonl."
+            ) from None
         return list(texts), f"hub:{name}/{config}/test"
     path = Path(data)
     if not path.is_file():
@@ -379,7 +382,7 @@ def read_lambada(data: str) -> tuple[list[str], str]:
         try:
             lines = list(f)
         except UnicodeDecodeError:
-            raise UserError(f"--data {data} is not UTF-8 text; give JSON lines with a \"text\" field.") from None
+            raise UserError(f'--data {data} is not UTF-8 text; give JSON lines with a "text" field.') from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -389,12 +392,12 @@ def read_lambada(data: str) -> tuple[list[str], str]:
             record = None
         text = record.get("text") if isinstance(record, dict) else None
         if not isinstance(text, str):
-            raise UserError(f"line {number} of {data} is not a JSON object with a \"text\" string, as LAMBADA's JSON lines are.")
+            raise UserError(f'line {number} of {data} is not a JSON object with a "text" string, as LAMBADA\'s JSON lines are.')
         if " " not in text.strip():
             raise UserError(f"line {number} of {data} has no context before its last word.")
         texts.append(text)
     if not texts:
-        raise UserError(f"--data {data} holds no examples; give JSON lines with a \"text\" field.")
+        raise UserError(f'--data {data} holds no examples; give JSON lines with a "text" field.')
     return texts, str(path)
 
 
@@ -496,11 +499,25 @@ def evaluate_wikitext(checkpoint: Path, data: str, seq_len: int, stride: int, ba
 
 def wikitext_command(
     checkpoint: Annotated[Path, typer.Option(help=CHECKPOINT_HELP, show_default=False)],
-    data: Annotated[str, typer.Option(help="WikiText-103's word-level test file (wiki.test.tokens as distributed), or 'hub' for the hub's wikitext-103-raw-v1 test split (online). \\[default: hub]", show_default=False)] = HUB,
+    data: Annotated[
+        str,
+        typer.Option(
+            help="WikiText-103's word-level test file (wiki.test.tokens as distributed), or 'hub' for the hub's wikitext-103-raw-v1 test split (online). \\[default: hub]",
+            show_default=False,
+        ),
+    ] = HUB,
     seq_len: Annotated[int, typer.Option(help="Tokens of input per window, at most the model's n_positions. \\[default: 1024]", show_default=False)] = 1024,
-    stride: Annotated[int, typer.Option(help="Tokens each window moves on and scores after the first; --stride equal to --seq-len: non-overlapping windows. \\[default: 32]", show_default=False)] = 32,
+    stride: Annotated[
+        int,
+        typer.Option(
+            help="Tokens each window moves on and scores after the first; --stride equal to --seq-len: non-overlapping windows. \\[default: 32]",
+            show_default=False,
+        ),
+    ] = 32,
     batch_size: Annotated[int, typer.Option(help="Windows per forward pass. \\[default: 8]", show_default=False)] = 8,
-    raw: Annotated[bool, typer.Option("--raw", help="The file is ordinary text: no WikiText detokenization, words are its whitespace-separated words.")] = False,
+    raw: Annotated[
+        bool, typer.Option("--raw", help="The file is ordinary text: no WikiText detokenization, words are its whitespace-separated words.")
+    ] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.", show_default=False)] = None,
 ) -> None:
     """Zero-shot WikiText-103 perplexity of a GPT-2 model: token and adjusted (word-level) perplexity with overlapping windows, and lm-evaluation-harness's word_perplexity and bits_per_byte; split over the ranks under torchrun or srun."""
@@ -560,9 +577,21 @@ def evaluate_lambada(checkpoint: Path, data: str, batch_size: int, seq_len: int 
 
 def lambada_command(
     checkpoint: Annotated[Path, typer.Option(help=CHECKPOINT_HELP, show_default=False)],
-    data: Annotated[str, typer.Option(help="The LAMBADA test set as JSON lines with a \"text\" field (OpenAI's version), or 'hub' for EleutherAI/lambada_openai (online). \\[default: hub]", show_default=False)] = HUB,
+    data: Annotated[
+        str,
+        typer.Option(
+            help="The LAMBADA test set as JSON lines with a \"text\" field (OpenAI's version), or 'hub' for EleutherAI/lambada_openai (online). \\[default: hub]",
+            show_default=False,
+        ),
+    ] = HUB,
     batch_size: Annotated[int, typer.Option(help="Examples per forward pass. \\[default: 8]", show_default=False)] = 8,
-    seq_len: Annotated[int, typer.Option(help="Longest input: longer contexts lose their start (a model trained on short windows does best at its training length). \\[default: the model's n_positions]", show_default=False)] = 0,
+    seq_len: Annotated[
+        int,
+        typer.Option(
+            help="Longest input: longer contexts lose their start (a model trained on short windows does best at its training length). \\[default: the model's n_positions]",
+            show_default=False,
+        ),
+    ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.", show_default=False)] = None,
 ) -> None:
     """LAMBADA last-word prediction of a GPT-2 model: strict accuracy (every token of the word the argmax), target perplexity and lm-evaluation-harness's perplexity; split over the ranks under torchrun or srun."""

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from zoa_train.errors import UserError
 from zoa_train.comm import Collective, CollectiveFactory, CommLedger, allreduce, group_size_rank, onebit_layout
 from zoa_train.comm.onebit import OneBitLayout
+from zoa_train.errors import UserError
 from zoa_train.step_kinds import FULL, LOCAL, ONEBIT
 
 

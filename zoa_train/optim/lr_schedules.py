@@ -1,8 +1,8 @@
 """Learning-rate schedules as plain functions of the step, so `plan` and the trainer read the same values.
 
-  constant     lr
-  exponential  linear warm-up to lr, then lr * factor ** ((t - warmup) // every)   (the authors' BERT: 0.99 / 520)
-  cosine       linear warm-up to lr, then cosine decay to `min_lr` at `total_steps` (GPT-2)
+constant     lr
+exponential  linear warm-up to lr, then lr * factor ** ((t - warmup) // every)   (the authors' BERT: 0.99 / 520)
+cosine       linear warm-up to lr, then cosine decay to `min_lr` at `total_steps` (GPT-2)
 """
 
 import math

@@ -152,8 +152,7 @@ def parse_latency(text: str | float) -> float:
         match = _QUANTITY.match(str(text))
         if match is None or match.group(3) or match.group(2) not in _LATENCY_UNITS:
             raise UserError(
-                f"latency {text!r} is not understood: expected a non-negative number with a unit ns, us, ms or s, "
-                "e.g. 20us, plain numbers being seconds."
+                f"latency {text!r} is not understood: expected a non-negative number with a unit ns, us, ms or s, e.g. 20us, plain numbers being seconds."
             )
         value, scale = float(match.group(1)), _LATENCY_UNITS[match.group(2)]
     if not (value >= 0 and math.isfinite(value)):

@@ -241,9 +241,7 @@ def _plan_onebit_adam(ctx: PlanContext) -> PlanCounts:
     return PlanCounts(fp_allreduces=warmup, onebit_allreduces=ctx.steps - warmup, rounds=ctx.steps, syncs=ctx.steps, variance_updates=warmup)
 
 
-register(
-    OptimizerSpec("onebit_adam", "1-bit Adam", _build_onebit_adam, _plan_onebit_adam, OneBitAdamKnobs, {"freeze_step": checks.positive}, colour="#e07b00")
-)
+register(OptimizerSpec("onebit_adam", "1-bit Adam", _build_onebit_adam, _plan_onebit_adam, OneBitAdamKnobs, {"freeze_step": checks.positive}, colour="#e07b00"))
 
 
 @dataclass

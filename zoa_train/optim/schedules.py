@@ -78,12 +78,7 @@ class ZeroOneSchedule:
         """Decide the current step given its learning rate, then move to the next step."""
         interval = self.interval(lr)
         self.max_lr = max(self.max_lr, lr)
-        variance_update = (
-            self.step == self.next_variance_step
-            and self.step < self.var_freeze_step
-            and interval == 1
-            and self.steps_since_sync == 0
-        )
+        variance_update = self.step == self.next_variance_step and self.step < self.var_freeze_step and interval == 1 and self.steps_since_sync == 0
         if variance_update:
             self.variance_updates += 1
             self.next_variance_step += 2 ** (self.variance_gaps_taken // self.var_update_scaler)

@@ -25,7 +25,8 @@ checkpoints). Under DDP they keep DDP's behaviour (rank 0's buffers broadcast at
 
 import contextlib
 from collections.abc import Callable
-from typing import ContextManager, Protocol
+from contextlib import AbstractContextManager
+from typing import Protocol
 
 import torch
 
@@ -42,7 +43,7 @@ class TrainingOptimizer(Protocol):
     optimizer: torch.optim.Optimizer  # its param_groups carry the lr an lr scheduler sets
     ledger: CommLedger  # what was sent, step by step
 
-    def no_sync(self) -> ContextManager:
+    def no_sync(self) -> AbstractContextManager:
         """A context for the backward passes of all micro-batches but the last (gradient accumulation)."""
 
     def step(self) -> str:

@@ -28,14 +28,10 @@ class MetricsLogger:
                 import wandb
 
                 os.environ.setdefault("WANDB_SILENT", "true")
-                self._wandb = wandb.init(
-                    project=recipe.logging.project, dir=str(run_dir), mode=recipe.logging.wandb, config=recipe.to_dict(), resume="allow"
-                )
+                self._wandb = wandb.init(project=recipe.logging.project, dir=str(run_dir), mode=recipe.logging.wandb, config=recipe.to_dict(), resume="allow")
             except ImportError:
                 log.warning("wandb is not installed; logging to metrics.jsonl and TensorBoard only")
-        self._progress = Progress(
-            TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn()
-        )
+        self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn())
         self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
         self._progress.start()
 
@@ -53,8 +49,7 @@ class MetricsLogger:
         if "loss" in record:
             unit, rate = next((k.removesuffix("_per_s"), v) for k, v in record.items() if k.endswith("_per_s"))
             status = (
-                f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  {rate:,.0f} {unit}/s  "
-                f"{record['bits_per_param']:.2f} bits/param  {record['rounds']} rounds"
+                f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  {rate:,.0f} {unit}/s  {record['bits_per_param']:.2f} bits/param  {record['rounds']} rounds"
             )
             self._progress.update(self._task, completed=step, status=status)
 

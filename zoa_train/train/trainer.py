@@ -29,10 +29,10 @@ from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import init_process_group, restart_count, threads_per_rank
 from zoa_train.errors import UserError
 from zoa_train.optim import registry
-from zoa_train.tasks import build_task
-from zoa_train.train.metrics import MetricsLogger
 from zoa_train.precision import autocast
+from zoa_train.tasks import build_task
 from zoa_train.train.loss_scaling import LossScaler
+from zoa_train.train.metrics import MetricsLogger
 from zoa_train.train.rundir import RunDirectory, complete_checkpoints, read_marker
 
 log = logging.getLogger(__name__)
@@ -43,6 +43,7 @@ _FAILURE_KEY = "zoa_train/user_error"
 
 class CollectiveTimeout(RuntimeError):
     """A collective waited longer than train.timeout_s: a peer stopped answering. One sentence."""
+
 
 _STOP_KEY, _STOP_COUNT = "zoa_train/stop_at", "zoa_train/stop_requests"
 # What schedulers send before they kill (Slurm: --signal=USR1@120; zoa-train's Slurm scripts use USR2).
@@ -209,7 +210,7 @@ class Trainer:
             for micro in range(self.accum):
                 batch = next(self.batches)
                 last_micro = micro == self.accum - 1
-                with (contextlib.nullcontext() if last_micro else self.opt.no_sync()), autocast(t.precision, self.device):
+                with contextlib.nullcontext() if last_micro else self.opt.no_sync(), autocast(t.precision, self.device):
                     loss = self.task.loss(self.opt.module, batch) / self.accum
                 self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
@@ -230,7 +231,9 @@ class Trainer:
                     self.opt.optimizer.zero_grad(set_to_none=True)
                     continue
             else:  # no communication: remember the first such step, checked at log steps and checkpoints
-                self.first_nonfinite = torch.where(torch.isfinite(loss_sum), self.first_nonfinite, torch.minimum(self.first_nonfinite, self._step_tensor(self.step + 1)))
+                self.first_nonfinite = torch.where(
+                    torch.isfinite(loss_sum), self.first_nonfinite, torch.minimum(self.first_nonfinite, self._step_tensor(self.step + 1))
+                )
             if t.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
             lr = self.opt.optimizer.param_groups[0]["lr"]
@@ -397,8 +400,13 @@ class Trainer:
             raise UserError(f"cannot resume from {path}: {e}.") from None
         if resharded:
             if self.is_main:
-                log.warning("resharding %s from %d to %d ranks: parameters, momentum and variance carry over, the 1-bit error "
-                            "buffers start at zero and the data continue at the same sample of the same epoch order", path, saved_world, self.world)
+                log.warning(
+                    "resharding %s from %d to %d ranks: parameters, momentum and variance carry over, the 1-bit error "
+                    "buffers start at zero and the data continue at the same sample of the same epoch order",
+                    path,
+                    saved_world,
+                    self.world,
+                )
             mine["loader"] = reshard_position(mine["loader"], self.world)
         self.batches.load_state_dict(mine["loader"])
         if self.rank < saved_world:  # a rank the checkpoint did not have keeps its fresh seed (rank_seed)
