@@ -175,15 +175,11 @@ def test_windows_score_every_token_after_the_first_once(n, seq_len, stride):
 
 
 def test_ranks_share_every_window_once():
-    from zoa_train.evaluation.language import _Ranks
+    from zoa_train.distributed import EvaluationRanks
 
     items = list(range(11))
     for world in (1, 2, 3, 4):
-        shares = []
-        for rank in range(world):
-            ranks = _Ranks()
-            ranks.rank, ranks.world = rank, world
-            shares.append(ranks.share(items))
+        shares = [EvaluationRanks(torch.device("cpu"), rank, world).share(items) for rank in range(world)]
         assert [i for share in shares for i in share] == items and max(map(len, shares)) - min(map(len, shares)) <= 1
 
 
