@@ -20,6 +20,13 @@ run: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest
 
+# A minute or two for iterating: the format and lint checks, then the tests that start no training run
+# (schema, plan, schedules, collectives, data, images, layering, help). `make test` runs everything.
+QUICK := tests/test_plan.py tests/test_schedules.py tests/test_layering.py tests/test_cli_help.py \
+	tests/test_distributed_env.py tests/test_comm.py tests/test_data.py tests/test_images.py
+quick: lint
+	$(BIN)/python -m pytest $(QUICK)
+
 # The formatter and the linter (ruff, settings in pyproject.toml): part of `make test`; `make format` applies both.
 LINTED := zoa_train tests scripts
 lint: $(STAMP)
