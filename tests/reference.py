@@ -121,3 +121,29 @@ class ExactAllReduce:
 
     def relayout(self, flat, index, saved):
         return flat.clone()  # back to back at any world size
+
+
+def zero_one_counts_reference(steps, lr, var_freeze_step, kappa, policy, clip=16, scaler=32_678, fixed=1):
+    """0/1 Adam's communication over a run, counted from docs/algorithm.md's definitions alone (not
+    through ZeroOneSchedule): T_v = {k_0 = 0, k_{j+1} = k_j + 2^floor(j / kappa)} below the freeze;
+    every step syncs until the freeze, then once `interval` steps have passed since the last sync."""
+    variance, k, j = set(), 0, 0
+    while k < var_freeze_step:
+        variance.add(k)
+        k, j = k + 2 ** (j // kappa), j + 1
+    syncs, since, peak = 0, 0, 0.0
+    for t in range(steps):
+        peak = max(peak, lr(t))
+        if t < var_freeze_step:
+            interval = 1
+        elif policy == "fixed":
+            interval = fixed
+        elif policy == "steps":
+            interval = min(clip, 2 ** ((t - var_freeze_step) // scaler))
+        else:  # "lr": doubles each time the lr halves from its peak so far
+            interval = min(clip, 2 ** math.floor(math.log2(peak / lr(t))))
+        since += 1
+        if t in variance or since >= interval:
+            syncs, since = syncs + 1, 0
+    updates = sum(1 for k in variance if k < steps)
+    return {"variance_updates": updates, "onebit_allreduces": syncs - updates, "rounds": syncs}

@@ -6,6 +6,7 @@ impossible value, batch layout, missing data file, unknown optimizer, NCCL witho
 run directory, a world-size mismatch, a checkpoint of another optimizer, a missing recipe, a bad --set)
 and tests/test_tasks.py (bad image data)."""
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -89,6 +90,17 @@ def garbage_data_file(tmp, cache, run):
     return [RECIPE, *quick(cache, "data.source=files", f"data.train_files={tmp / 'corpus.txt'}")]
 
 
+def recipe_bytes(data: bytes):
+    return lambda tmp, cache, run: (tmp.joinpath("recipe.yaml").write_bytes(data), [str(tmp / "recipe.yaml")])[1]
+
+
+def bracketed_recipe(tmp, cache, run):
+    """A recipe whose file name holds what rich would read as markup: the message names it as it is."""
+    path = tmp / "gpt2[old][bold].yaml"
+    path.write_text(Path(RECIPE).read_text().replace("n_head: 4", "n_head: 3"))
+    return [str(path)]
+
+
 def resume_from(where: str):
     def args(tmp, cache, run):
         target = {"not a checkpoint": tmp, "missing": tmp / "nothere"}[where]
@@ -120,6 +132,16 @@ CASES = {
     "data file is not text": (garbage_data_file, "corpus.txt: 'utf-8' codec can't decode", True),
     "resume a directory that is not a checkpoint": (resume_from("not a checkpoint"), "is not a complete checkpoint (no COMPLETE marker)", False),
     "resume a missing directory": (resume_from("missing"), "no such checkpoint directory", False),
+    "dropout of 1 or more": (recipe_with("model.dropout=1.5"), "model.dropout must be in [0, 1), not 1.5", False),
+    "NaN learning rate": (recipe_with("optimizer.lr=.nan"), "optimizer.lr must be a finite number, not nan", False),
+    "infinite learning rate": (recipe_with("optimizer.lr=.inf"), "optimizer.lr must be a finite number, not inf", False),
+    "beta of 1 or more": (recipe_with("optimizer.betas=[1.5, 0.999]"), "optimizer.betas must each be in [0, 1), not [1.5, 0.999]", False),
+    "zero eps": (recipe_with("optimizer.eps=0"), "optimizer.eps must be positive, not 0.0", False),
+    "negative seed": (recipe_with("train.seed=-1"), "train.seed must be >= 0, not -1", False),
+    "cosine floor above the lr": (recipe_with("schedule.name=cosine", "schedule.min_lr=1"), "schedule.min_lr 1.0 is above optimizer.lr 0.003", False),
+    "binary recipe file": (recipe_bytes(bytes(range(256)) * 2), "recipe.yaml is not a text file (YAML in UTF-8)", False),
+    "brackets in the recipe's name": (bracketed_recipe, "gpt2[old][bold].yaml: model.n_embd 128 must be divisible by model.n_head 3", False),
+    "missing recipe with brackets": (lambda tmp, cache, run: [str(tmp / "x[/y].yaml")], "x[/y].yaml does not exist", False),
     "negative --max-restarts": (lambda tmp, cache, run: [RECIPE, "--max-restarts", "-1"], "--max-restarts must be 0 or more, not -1", False),
     # Unsupported combinations (issue 12, item 8): there is no key for splitting the model; asking for it names the reason.
     "ZeRO stage": (recipe_with("train.zero_stage=2"), "unknown key train.zero_stage; zoa-train is data-parallel only", False),
@@ -246,3 +268,71 @@ def test_one_bit_optimizers_refuse_a_trainable_set_changed_after_the_build(name)
     model["head"].bias.requires_grad_(False)
     with pytest.raises(UserError, match="parameter head.bias was frozen"):
         train_step(model, opt)
+
+
+def test_a_run_directory_with_brackets_is_named_as_it_is(tmp_path, capsys):
+    run_dir = tmp_path / "runs[old]"
+    run_dir.mkdir()
+    (run_dir / "notes.txt").write_text("kept")
+    done = zoa_here(capsys, "run", RECIPE, "--out", str(run_dir))
+    check_one_sentence(done, f"{run_dir} is not empty")
+    assert (run_dir / "notes.txt").read_text() == "kept"
+
+
+def test_a_checkpoint_holding_a_pickled_object_is_refused(finished_run, tmp_path, cache_dir):
+    """Checkpoints are read with torch's weights-only unpickler: a rank file that would run code when
+    loaded (rewritten with its checksum, as whoever could write it could) is refused in one sentence."""
+    import hashlib
+    import shutil
+
+    import torch
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    checkpoint = next((run_dir / "checkpoints").iterdir())
+    rank_file = checkpoint / "rank_00000.pt"
+    torch.save({"payload": PickledCall()}, rank_file)
+    data = rank_file.read_bytes()
+    marker = checkpoint / "COMPLETE"
+    lines = [f"file rank_00000.pt {len(data)} {hashlib.sha256(data).hexdigest()}" if line.startswith("file rank_00000.pt ") else line
+             for line in marker.read_text().splitlines()]  # fmt: skip
+    marker.write_text("\n".join(lines) + "\n")
+    done = zoa("run", RECIPE, "--out", str(run_dir), "--resume", "auto", *quick(cache_dir, "train.steps=3"))
+    check_one_sentence(done, "rank_00000.pt holds a pickled")
+    assert "reads no code from a checkpoint" in done.stderr and not (tmp_path / "called").exists()
+
+
+class PickledCall:
+    """Unpickled with torch's full unpickler, this would call os.system."""
+
+    def __reduce__(self):
+        import os
+
+        return os.system, (f"touch {Path(__file__).parent}/called",)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [(dict(lr=-1.0), "lr must be >= 0, got -1.0"), (dict(betas=(1.5, 0.999)), "betas must be two numbers in [0, 1)"), (dict(eps=-1.0), "eps must be >= 0")],
+)
+@pytest.mark.parametrize("name", ["ZeroOneAdam", "OneBitAdam", "DataParallelAdam"])
+def test_the_library_refuses_what_torch_optim_refuses(name, kwargs, message):
+    import torch
+
+    from zoa_train import optim
+
+    with pytest.raises(ValueError, match=re.escape(f"{name}: {message}")):
+        getattr(optim, name)([torch.nn.Parameter(torch.zeros(4))], **kwargs)
+
+
+@pytest.mark.parametrize("name", ["ZeroOneAdam", "OneBitAdam", "DataParallelAdam"])
+def test_the_library_names_a_sparse_gradient(name):
+    import torch
+
+    from zoa_train import optim
+
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    opt = getattr(optim, name)(embedding.parameters(), lr=0.1)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(ValueError, match="a parameter has a sparse gradient, which these optimizers do not support"):
+        opt.step()

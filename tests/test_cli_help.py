@@ -46,3 +46,28 @@ def test_usage_errors_are_one_message_and_exit_code_2(args):
     result = subprocess.run([sys.executable, "-c", "from zoa_train.cli import run; run()", *args], capture_output=True, text=True)
     assert result.returncode == 2, result.stderr
     assert "Error:" in result.stderr and "Traceback" not in result.stderr and "─" not in result.stderr
+
+
+def _commands(command, path=()):
+    """(path, click command) of every subcommand."""
+    import click
+
+    yield path, command
+    if isinstance(command, click.Group):
+        for name, sub in command.commands.items():
+            yield from _commands(sub, (*path, name))
+
+
+def test_help_shows_every_default_as_written_once_and_flags_as_flags():
+    import re
+
+    import typer
+
+    for path, command in _commands(typer.main.get_command(app)):
+        output = " ".join(CliRunner().invoke(app, [*path, "--help"], terminal_width=400).output.split())
+        assert "<bool>" not in output, path  # a flag takes no value
+        for param in command.params:
+            written = re.findall(r"\[default: [^\]]*\]", getattr(param, "help", None) or "")
+            for default in written:  # the text of the help string itself, not swallowed as markup
+                assert default in output, (path, param.name, default)
+                assert not param.show_default, (path, param.name)  # and no second, generated one

@@ -433,3 +433,37 @@ def test_fp16_overflow_is_checked_collectively_only_on_steps_that_communicate():
     assert ranks[1][0][9][4] and not ranks[0][0][9][4]
     assert ranks[0][1] == 1024.0 and ranks[1][1] == 512.0
     assert torch.equal(ranks[0][2], ranks[1][2])
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_data_parallel_adam_is_torch_adamw_on_one_rank(weight_decay):
+    """The reference every 'equals Adam' test compares against is itself torch's AdamW (with bias
+    correction, as AdamW always applies it), to float rounding."""
+    torch.manual_seed(0)
+    shapes = [(64, 32), (32,), (7,)]
+    ours = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    kwargs = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=weight_decay)
+    a = DataParallelAdam(ours, bias_correction=True, **kwargs)
+    b = torch.optim.AdamW(theirs, foreach=False, **kwargs)
+    for step in range(30):
+        g = torch.Generator().manual_seed(step)
+        for x, y in zip(ours, theirs):
+            x.grad = torch.randn(x.shape, generator=g) * (1 + step % 3)
+            y.grad = x.grad.clone()
+        a.step()
+        b.step()
+    for x, y in zip(ours, theirs):
+        torch.testing.assert_close(x.detach(), y.detach(), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cls", [ZeroOneAdam, OneBitAdam, DataParallelAdam])
+def test_each_optimizer_documents_itself(cls):
+    """help(ZeroOneAdam) shows what it computes, sends and keeps, and every parameter with its default."""
+    import inspect
+
+    doc = cls.__dict__.get("__doc__") or ""
+    assert "State" in doc and "Parameters" in doc, cls
+    for name in inspect.signature(cls).parameters:
+        if name != "params":
+            assert name in doc, (cls, name)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from reference import zero_one_counts_reference
 from rich.console import Console
 
 from zoa_train.config import load_recipe
@@ -290,3 +291,44 @@ def test_plan_decisions_match_zero_one_adam(policy):
 def test_every_shipped_recipe_is_valid(path):
     recipe = load_recipe(path)
     assert recipe.train.global_batch_size % recipe.train.micro_batch_size == 0
+
+
+@pytest.mark.parametrize(
+    "lr, knobs",
+    [
+        (
+            LRSchedule("exponential", lr=1e-2, warmup_steps=20, decay_factor=0.5, decay_every=30),
+            dict(var_freeze_step=50, var_update_scaler=3, local_steps="lr", local_step_clip=8),
+        ),
+        (
+            LRSchedule("cosine", lr=1e-2, warmup_steps=10, total_steps=400, min_lr=1e-4),
+            dict(var_freeze_step=64, var_update_scaler=2, local_steps="steps", local_step_clip=16, local_step_scaler=40),
+        ),
+        (LRSchedule("constant", lr=1e-2), dict(var_freeze_step=30, var_update_scaler=1, local_steps="fixed", local_step_interval=5)),
+    ],
+    ids=["lr", "steps", "fixed"],
+)
+def test_plan_counts_equal_an_independent_derivation(lr, knobs):
+    """plan and ZeroOneAdam share ZeroOneSchedule; this counts the same run from the definitions alone."""
+    steps = 400
+    expected = zero_one_counts_reference(
+        steps, lr, knobs["var_freeze_step"], knobs["var_update_scaler"], knobs["local_steps"],
+        knobs.get("local_step_clip", 16), knobs.get("local_step_scaler", 32_678), knobs.get("local_step_interval", 1),
+    )  # fmt: skip
+    planned = plan(steps, lr, 2, 1000, bandwidth_bytes_per_s=1e9, latency_s=0.0, **knobs)["zero_one_adam"]
+    assert {key: planned[key] for key in expected} == expected
+    assert expected["rounds"] < steps - 100  # each schedule has long local-step periods to count
+
+
+def test_a_lr_policy_that_never_takes_a_local_step_is_said_once():
+    knobs = dict(var_freeze_step=20, var_update_scaler=4, local_steps="lr", local_step_clip=8)
+    constant = plan(100, LRSchedule("constant", lr=1e-2), 2, 1000, bandwidth_bytes_per_s=1e9, latency_s=0.0, **knobs)["zero_one_adam"]
+    assert "never takes a local step" in constant["warning"] and "var_freeze_step (20)" in constant["warning"]
+    halving = LRSchedule("exponential", lr=1e-2, decay_factor=0.5, decay_every=30)
+    assert "warning" not in plan(100, halving, 2, 1000, bandwidth_bytes_per_s=1e9, latency_s=0.0, **knobs)["zero_one_adam"]
+    fixed = plan(
+        100, LRSchedule("constant", lr=1e-2), 2, 1000, bandwidth_bytes_per_s=1e9, latency_s=0.0, **{**knobs, "local_steps": "fixed", "local_step_interval": 4}
+    )
+    assert "warning" not in fixed["zero_one_adam"]
+    short = plan(20, LRSchedule("constant", lr=1e-2), 2, 1000, bandwidth_bytes_per_s=1e9, latency_s=0.0, **knobs)  # ends at the freeze
+    assert "warning" not in short["zero_one_adam"]

@@ -1,6 +1,7 @@
 """Constraints on recipe values, each a function that returns None for a good value, else what is
 expected of it ("must be positive"); the recipe schema's table of them is in zoa_train/config.py,
-and each optimizer's registry entry names those of its own knobs."""
+and each optimizer's registry entry names those of its own knobs. Floats are also refused when they
+are NaN or infinite, for every key, where the schema reads them."""
 
 from collections.abc import Callable
 
@@ -22,3 +23,29 @@ def positive_or_null(value) -> str | None:
 def unset_or(check: Check) -> Check:
     """`check`, for a value that may also be null (not set)."""
     return lambda value: None if value is None else check(value)
+
+
+def within(low: float, high: float, low_open: bool = False, high_open: bool = True) -> Check:
+    """A value in an interval, [low, high) by default: "must be in [0, 1)"."""
+    text = f"must be in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+
+    def check(value) -> str | None:
+        above = value > low if low_open else value >= low
+        below = value < high if high_open else value <= high
+        return None if above and below else text
+
+    return check
+
+
+def each(check: Check) -> Check:
+    """`check` on every item of a list or tuple: "must each be in [0, 1)"."""
+
+    def check_items(values) -> str | None:
+        problems = [check(v) for v in values]
+        first = next((p for p in problems if p), None)
+        return first.replace("must be", "must each be", 1) if first else None
+
+    return check_items
+
+
+FRACTION = within(0, 1)  # [0, 1): a probability that must leave something (dropout), a decay rate (betas)

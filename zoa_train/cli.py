@@ -19,23 +19,23 @@ from typing import Annotated
 
 import click
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from zoa_train import __version__
+from zoa_train import console as zoa_console
 from zoa_train.errors import UserError
 
-app = typer.Typer(help="Communication-efficient distributed training with 0/1 Adam.", no_args_is_help=True)
-bench_app = typer.Typer(help="Benchmarks that print ratios measured in one run.", no_args_is_help=True)
+app = typer.Typer(help="Communication-efficient distributed training with 0/1 Adam.", no_args_is_help=True, rich_markup_mode=None)
+bench_app = typer.Typer(help="Benchmarks that print ratios measured in one run.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(bench_app, name="bench")
-eval_app = typer.Typer(help="Evaluate a trained checkpoint.", no_args_is_help=True)
+eval_app = typer.Typer(help="Evaluate a trained checkpoint.", no_args_is_help=True, rich_markup_mode=None)
 app.add_typer(eval_app, name="eval")
-console = Console()
+console = zoa_console.out
 
 
 def fail(message: str) -> None:
     """Report bad input in one sentence and exit with code 2."""
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    zoa_console.error(message)
     raise typer.Exit(2)
 
 
@@ -56,8 +56,8 @@ def main(
 def run_command(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe, e.g. recipes/gpt2_tiny.yaml.")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
-    nproc: Annotated[int, typer.Option(help="Local ranks to start when not under torchrun/srun. [default: the recipe's train.nproc]")] = 0,
-    out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]")] = None,
+    nproc: Annotated[int, typer.Option(help="Local ranks to start when not under torchrun/srun. [default: the recipe's train.nproc]", show_default=False)] = 0,
+    out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]", show_default=False)] = None,
     resume: Annotated[str, typer.Option(help="auto (latest complete checkpoint in the run directory) or a checkpoint directory.")] = "",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Empty a non-empty run directory first.")] = False,
     reshard: Annotated[
@@ -70,7 +70,8 @@ def run_command(
     max_restarts: Annotated[
         int,
         typer.Option(
-            help="When a rank dies, restart every rank from the latest complete checkpoint up to this many times (torch elastic; under torchrun pass torchrun's --max-restarts). [default: 0]"
+            help="When a rank dies, restart every rank from the latest complete checkpoint up to this many times (torch elastic; under torchrun pass torchrun's --max-restarts). [default: 0]",
+            show_default=False,
         ),
     ] = 0,
 ) -> None:
@@ -103,9 +104,7 @@ def run_command(
         else:
             results = [run_rank(config.to_dict(), str(run_dir), resume or None, overwrite, reshard)]
     except (RankFailed, CollectiveTimeout) as e:  # a fault, not bad input: exit 1, the rank's sentence
-        from rich.markup import escape
-
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        zoa_console.error(str(e))
         raise typer.Exit(1) from None
     except LauncherSignalled as e:  # the ranks got the signal too; a stop signal made them checkpoint first
         import signal
@@ -114,7 +113,7 @@ def run_command(
 
         latest = RunDirectory(run_dir).latest(hashes=False)
         where = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
-        Console(stderr=True).print(
+        zoa_console.err.print(
             f"stopped on {signal.Signals(e.signum).name}; {where}; continue with: zoa-train run {recipe} --out {run_dir} --resume auto",
             highlight=False,
             soft_wrap=True,
@@ -129,7 +128,7 @@ def run_command(
 
         if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":  # under a launcher: said once, by rank 0
             raise typer.Exit(EXIT_PREEMPTED)
-        Console(stderr=True).print(
+        zoa_console.err.print(
             f"stopped at step {stopped['step']} on a termination signal after a complete checkpoint; "
             f"continue with: zoa-train run {recipe} --out {run_dir} --resume auto",
             highlight=False,
@@ -156,22 +155,22 @@ def slurm_command(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe, e.g. recipes/bert_large.yaml.")],
     nodes: Annotated[int, typer.Option(help="Nodes to allocate.")] = 1,
     gpus_per_node: Annotated[int | None, typer.Option(help="GPUs per node, one rank each (NCCL); 0 with --nproc-per-node: a CPU job (Gloo).")] = None,
-    nproc_per_node: Annotated[int | None, typer.Option(help="Ranks per node. [default: --gpus-per-node]")] = None,
+    nproc_per_node: Annotated[int | None, typer.Option(help="Ranks per node. [default: --gpus-per-node]", show_default=False)] = None,
     cpus_per_task: Annotated[
-        int | None, typer.Option(help="CPUs per Slurm task (torchrun: per node; srun: per rank). [default: torchrun: one per rank]")
+        int | None, typer.Option(help="CPUs per Slurm task (torchrun: per node; srun: per rank). [default: torchrun: one per rank]", show_default=False)
     ] = None,
     partition: Annotated[str, typer.Option(help="Slurm partition.")] = "",
     account: Annotated[str, typer.Option(help="Slurm account.")] = "",
     qos: Annotated[str, typer.Option(help="Slurm QOS.")] = "",
     time_limit: Annotated[str, typer.Option("--time", help="Time limit, HH:MM:SS or D-HH:MM:SS.")] = "",
     constraint: Annotated[str, typer.Option(help="Slurm node features, e.g. a100.")] = "",
-    job_name: Annotated[str, typer.Option(help="Job name. [default: zoa-<run directory name>]")] = "",
-    out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]")] = None,
+    job_name: Annotated[str, typer.Option(help="Job name. [default: zoa-<run directory name>]", show_default=False)] = "",
+    out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]", show_default=False)] = None,
     env: Annotated[list[str], typer.Option("--env", help="KEY=VALUE exported in the job, e.g. NCCL_SOCKET_IFNAME=eth0 (repeatable).")] = [],
     launcher: Annotated[str, typer.Option(help="torchrun (one task per node) or srun (one task per rank).")] = "torchrun",
     signal_spec: Annotated[str, typer.Option("--signal", help="Warning signal and its lead time before the time limit.")] = "USR2@120",
     max_requeues: Annotated[int, typer.Option(help="Times the job requeues itself after a warning signal.")] = 3,
-    master_port: Annotated[int, typer.Option(help="Rendezvous port. [default: 20000 + job id % 20000]")] = 0,
+    master_port: Annotated[int, typer.Option(help="Rendezvous port. [default: 20000 + job id % 20000]", show_default=False)] = 0,
     sbatch_option: Annotated[list[str], typer.Option("--sbatch-option", help="Any other sbatch option, e.g. --mem=200G (repeatable).")] = [],
     resume: Annotated[str, typer.Option(help="auto: continue the run directory's latest checkpoint.")] = "",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Empty a non-empty run directory first.")] = False,
@@ -240,10 +239,10 @@ def slurm_command(
 def plan_command(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe: its optimizer knobs, lr schedule, steps and model size are read.")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
-    world_size: Annotated[int, typer.Option(help="Data-parallel ranks to plan for. [default: 64]")] = 64,
-    bandwidth: Annotated[str, typer.Option(help="Per-rank link bandwidth, e.g. 10Gbit, 100Gbit, 25GB. [default: 10Gbit]")] = "10Gbit",
-    latency: Annotated[str, typer.Option(help="Per-message latency, e.g. 20us, 1ms. [default: 20us]")] = "20us",
-    params: Annotated[int, typer.Option(help="Parameter count. [default: counted from the recipe's model]")] = 0,
+    world_size: Annotated[int, typer.Option(help="Data-parallel ranks to plan for. [default: 64]", show_default=False)] = 64,
+    bandwidth: Annotated[str, typer.Option(help="Per-rank link bandwidth, e.g. 10Gbit, 100Gbit, 25GB. [default: 10Gbit]", show_default=False)] = "10Gbit",
+    latency: Annotated[str, typer.Option(help="Per-message latency, e.g. 20us, 1ms. [default: 20us]", show_default=False)] = "20us",
+    params: Annotated[int, typer.Option(help="Parameter count. [default: counted from the recipe's model]", show_default=False)] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by optimizer name.")] = False,
 ) -> None:
     """Communication of every optimizer (Adam, 1-bit Adam, 0/1 Adam, ...) over a whole recipe, without training."""
@@ -268,8 +267,11 @@ def plan_command(
     )
     if as_json:
         print(json.dumps(result))
-    else:
-        console.print(format_plan(result))
+        return
+    console.print(format_plan(result))
+    for name, record in result.items():
+        if "warning" in record:
+            zoa_console.err.print(f"warning ({name}): {record['warning']}")
 
 
 def count_parameters(config) -> int:
@@ -287,9 +289,9 @@ def count_parameters(config) -> int:
 @app.command("report")
 def report_command(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run directories (each with metrics.jsonl), e.g. runs/gpt2_tiny.", show_default=False)],
-    out: Annotated[Path, typer.Option(help="Directory for report.md and the PNG plots; files of the same names are replaced. [default: report]")] = Path(
-        "report"
-    ),
+    out: Annotated[
+        Path, typer.Option(help="Directory for report.md and the PNG plots; files of the same names are replaced. [default: report]", show_default=False)
+    ] = Path("report"),
 ) -> None:
     """Compare runs: loss, bits/param and step-kind plots (PNG) and a table of final losses, time, traffic and time to a common loss."""
     from zoa_train.report import write_report
@@ -309,13 +311,13 @@ def eval_imagenet(
         Path, typer.Option(help="A run directory (its latest complete checkpoint), a checkpoint directory or a model file.", show_default=False)
     ],
     data: Annotated[Path, typer.Option(help="An ImageFolder validation set: <class name>/<image> (e.g. ImageNet's val/).", show_default=False)],
-    batch_size: Annotated[int, typer.Option(help="Images per forward pass. [default: 64]")] = 64,
-    workers: Annotated[int, typer.Option(help="Decoding processes (per rank). [default: 4]")] = 4,
+    batch_size: Annotated[int, typer.Option(help="Images per forward pass. [default: 64]", show_default=False)] = 64,
+    workers: Annotated[int, typer.Option(help="Decoding processes (per rank). [default: 4]", show_default=False)] = 4,
     model: Annotated[
-        str, typer.Option(help="resnet18, resnet34 or resnet50 for a bare model file. \\[default: the run's, else resnet18]", show_default=False)
+        str, typer.Option(help="resnet18, resnet34 or resnet50 for a bare model file. [default: the run's, else resnet18]", show_default=False)
     ] = "",
-    resize_size: Annotated[int, typer.Option(help="Shorter side before the centre crop. \\[default: the run's recipe, else 256]", show_default=False)] = 0,
-    crop_size: Annotated[int, typer.Option(help="Centre crop. \\[default: the run's recipe, else 224]", show_default=False)] = 0,
+    resize_size: Annotated[int, typer.Option(help="Shorter side before the centre crop. [default: the run's recipe, else 256]", show_default=False)] = 0,
+    crop_size: Annotated[int, typer.Option(help="Centre crop. [default: the run's recipe, else 224]", show_default=False)] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
     """Top-1 and top-5 accuracy and the loss of a ResNet over every image of a validation set; split over the ranks under torchrun or srun."""
@@ -355,11 +357,11 @@ eval_app.command("glue")(glue_command)
 
 @bench_app.command("ops")
 def bench_ops(
-    nproc: Annotated[int, typer.Option(help="Local ranks to start. [default: 2]")] = 2,
-    calls: Annotated[int, typer.Option(help="Timed 1-bit steps; the median is reported. [default: 5]")] = 5,
-    block_size: Annotated[int, typer.Option(help="Elements per block of a pass. [default: the device's]")] = 0,
+    nproc: Annotated[int, typer.Option(help="Local ranks to start. [default: 2]", show_default=False)] = 2,
+    calls: Annotated[int, typer.Option(help="Timed 1-bit steps; the median is reported. [default: 5]", show_default=False)] = 5,
+    block_size: Annotated[int, typer.Option(help="Elements per block of a pass. [default: the device's]", show_default=False)] = 0,
     per_group: Annotated[bool, typer.Option("--per-group", help="One 1-bit call per parameter group (the layout before one call per step).")] = False,
-    scale: Annotated[int, typer.Option(help="Divide every tensor size by this: smaller runs, the same tensor count. [default: 1]")] = 1,
+    scale: Annotated[int, typer.Option(help="Divide every tensor size by this: smaller runs, the same tensor count. [default: 1]", show_default=False)] = 1,
 ) -> None:
     """Ops (kernel launches on an accelerator) and CPU time per 1-bit step of BERT-Large's 398 tensors, counted with torch.profiler."""
     from zoa_train.bench.comm import bert_large_groups, profile_rank
@@ -375,10 +377,10 @@ def bench_ops(
 
 @bench_app.command("comm")
 def bench_comm(
-    sizes: Annotated[str, typer.Option(help="Comma-separated element counts (k, M, G suffixes). [default: 1M,16M,64M]")] = "1M,16M,64M",
-    nproc: Annotated[int, typer.Option(help="Local ranks to start. [default: 2]")] = 2,
-    backend: Annotated[str, typer.Option(help="gloo or nccl. [default: nccl with CUDA, else gloo]")] = "",
-    repeats: Annotated[int, typer.Option(help="Timed repeats after warm-up; the median is reported. [default: 9]")] = 9,
+    sizes: Annotated[str, typer.Option(help="Comma-separated element counts (k, M, G suffixes). [default: 1M,16M,64M]", show_default=False)] = "1M,16M,64M",
+    nproc: Annotated[int, typer.Option(help="Local ranks to start. [default: 2]", show_default=False)] = 2,
+    backend: Annotated[str, typer.Option(help="gloo or nccl. [default: nccl with CUDA, else gloo]", show_default=False)] = "",
+    repeats: Annotated[int, typer.Option(help="Timed repeats after warm-up; the median is reported. [default: 9]", show_default=False)] = 9,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
     """Time torch.distributed.all_reduce (fp32) against OneBitAllReduce on the same tensors.
@@ -428,26 +430,42 @@ def bench_comm(
 
 @bench_app.command("netsim")
 def bench_netsim(
-    recipe: Annotated[Path, typer.Option(help="The recipe every optimizer trains. [default: recipes/gpt2_tiny.yaml]")] = Path("recipes/gpt2_tiny.yaml"),
-    ranks: Annotated[int, typer.Option(help="Ranks, one network namespace each. [default: 2]")] = 2,
-    bandwidth: Annotated[str, typer.Option(help="Rate of each rank's link, both directions, e.g. 100mbit, 1Gbit, 12.5MB/s. [default: 100mbit]")] = "100mbit",
-    latency: Annotated[str, typer.Option(help="One-way delay between two ranks (netem), e.g. 1ms; 0 shapes the rate only. [default: 1ms]")] = "1ms",
+    recipe: Annotated[Path, typer.Option(help="The recipe every optimizer trains. [default: recipes/gpt2_tiny.yaml]", show_default=False)] = Path(
+        "recipes/gpt2_tiny.yaml"
+    ),
+    ranks: Annotated[int, typer.Option(help="Ranks, one network namespace each. [default: 2]", show_default=False)] = 2,
+    bandwidth: Annotated[
+        str, typer.Option(help="Rate of each rank's link, both directions, e.g. 100mbit, 1Gbit, 12.5MB/s. [default: 100mbit]", show_default=False)
+    ] = "100mbit",
+    latency: Annotated[
+        str, typer.Option(help="One-way delay between two ranks (netem), e.g. 1ms; 0 shapes the rate only. [default: 1ms]", show_default=False)
+    ] = "1ms",
     optimizers: Annotated[
         str,
         typer.Option(
-            help="Comma-separated optimizers to train, Adam first; all: every registered one (those of the recipe's imports too); none: bench comm only. [default: all]"
+            help="Comma-separated optimizers to train, Adam first; all: every registered one (those of the recipe's imports too); none: bench comm only. [default: all]",
+            show_default=False,
         ),
     ] = "all",
-    steps: Annotated[int, typer.Option(help="Sets train.steps for every run. [default: the recipe's]")] = 0,
+    steps: Annotated[int, typer.Option(help="Sets train.steps for every run. [default: the recipe's]", show_default=False)] = 0,
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value in every run: section.key=value (repeatable).")] = [],
     comm_sizes: Annotated[
-        str, typer.Option(help="Element counts for bench comm over the same links (k, M, G suffixes), or none. [default: the model's parameter count]")
+        str,
+        typer.Option(
+            help="Element counts for bench comm over the same links (k, M, G suffixes), or none. [default: the model's parameter count]", show_default=False
+        ),
     ] = "",
     out: Annotated[
-        Path, typer.Option(help="Run directories OUT/<optimizer> (replaced), rank logs OUT/logs, results OUT/netsim.json. [default: runs/netsim]")
+        Path,
+        typer.Option(
+            help="Run directories OUT/<optimizer> (replaced), rank logs OUT/logs, results OUT/netsim.json. [default: runs/netsim]", show_default=False
+        ),
     ] = Path("runs/netsim"),
     margin: Annotated[
-        float, typer.Option(help="Time to target counts until Adam's final val_loss times 1 + MARGIN is reached, e.g. 0.02 for within 2%. [default: 0]")
+        float,
+        typer.Option(
+            help="Time to target counts until Adam's final val_loss times 1 + MARGIN is reached, e.g. 0.02 for within 2%. [default: 0]", show_default=False
+        ),
     ] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object instead of tables.")] = False,
 ) -> None:
@@ -476,13 +494,11 @@ def bench_netsim(
         numels = [count_parameters(config)]
     if not names and not numels:
         fail("--optimizers none and --comm-sizes none leave nothing to run.")
-    say = Console(stderr=True).print
+    say = zoa_console.err.print
     try:
         result = run_netsim(recipe, overrides, names, ranks, bandwidth, latency, out, numels, progress=lambda m: say(m, highlight=False), margin=margin)
     except RankFailed as e:
-        from rich.markup import escape
-
-        Console(stderr=True).print(f"[bold red]error:[/] {escape(str(e))}", highlight=False, soft_wrap=True)
+        zoa_console.error(str(e))
         raise typer.Exit(1) from None
     if as_json:
         print(json.dumps(result))
@@ -494,10 +510,10 @@ def bench_netsim(
 
 @bench_app.command("optim")
 def bench_optim(
-    params_millions: Annotated[float, typer.Option(help="Model size in millions of parameters. [default: 25]")] = 25.0,
-    repeats: Annotated[int, typer.Option(help="Timed steps after warm-up; the median is reported. [default: 10]")] = 10,
-    threads: Annotated[int, typer.Option(help="torch threads. [default: all cores]")] = 0,
-    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N. [default: cpu]")] = "cpu",
+    params_millions: Annotated[float, typer.Option(help="Model size in millions of parameters. [default: 25]", show_default=False)] = 25.0,
+    repeats: Annotated[int, typer.Option(help="Timed steps after warm-up; the median is reported. [default: 10]", show_default=False)] = 10,
+    threads: Annotated[int, typer.Option(help="torch threads. [default: all cores]", show_default=False)] = 0,
+    device: Annotated[str, typer.Option(help="cpu, cuda or cuda:N. [default: cpu]", show_default=False)] = "cpu",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Optimizer step cost against torch.optim.AdamW(fused), the fastest AdamW, and optimizer state bytes per parameter."""
@@ -524,7 +540,7 @@ def bench_optim(
 def bench_loader(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe whose data and model are measured.")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
-    batches: Annotated[int, typer.Option(help="Micro-batches timed. [default: 20]")] = 20,
+    batches: Annotated[int, typer.Option(help="Micro-batches timed. [default: 20]", show_default=False)] = 20,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """The data loader alone vs forward+backward+AdamW on the same micro-batches, one process."""
@@ -554,7 +570,7 @@ def run() -> None:
         code = app(standalone_mode=False)  # click returns the code of a typer.Exit in this mode
         sys.exit(code if isinstance(code, int) else 0)
     except UserError as e:
-        Console(stderr=True).print(f"[bold red]error:[/] {e}", highlight=False, soft_wrap=True)
+        zoa_console.error(str(e))
         sys.exit(2)
     except (click.exceptions.Exit, typer.Exit) as e:
         sys.exit(e.exit_code)

@@ -8,6 +8,7 @@ refused rather than training every default. The resolved recipe is what the trai
 
 import dataclasses
 import difflib
+import math
 import re
 import types
 import typing
@@ -149,7 +150,9 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     if not path.is_file():
         raise UserError(f"recipe file {path} does not exist.")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not a text file (YAML in UTF-8); is it the recipe?") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
@@ -258,11 +261,13 @@ def _coerce(value, kind, origin: str, key: str):
         return float(value)
     if kind is float and isinstance(value, str):
         try:  # YAML 1.1 reads 1e-3 (no dot) as a string
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise UserError(f"{origin}: {key} must be {kind.__name__}, not {value!r}.")
+    if kind is float and not math.isfinite(value):
+        raise UserError(f"{origin}: {key} must be a finite number, not {value}.")
     return value
 
 
@@ -281,14 +286,18 @@ CHECKS: dict[str, checks.Check] = {
     "train.skip_nonfinite": checks.non_negative,
     "train.val_every": checks.non_negative,
     "train.checkpoint_every": checks.non_negative,
+    "train.seed": checks.non_negative,
     "data.seq_len": checks.positive,
     "data.vocab_size": checks.positive,
     "data.crop_size": checks.positive,
     "data.resize_size": checks.positive,
+    "data.min_crop_scale": checks.within(0, 1, low_open=True, high_open=False),
     "data.workers": checks.non_negative,
     "schedule.decay_every": checks.positive,
     "schedule.warmup_steps": checks.non_negative,
-    "model.dropout": checks.non_negative,
+    "schedule.decay_factor": checks.within(0, 1, low_open=True, high_open=False),
+    "schedule.min_lr": checks.non_negative,
+    "model.dropout": checks.FRACTION,
     "model.n_layer": checks.unset_or(checks.positive),
     "model.n_embd": checks.unset_or(checks.positive),
     "model.n_head": checks.unset_or(checks.positive),
@@ -308,11 +317,9 @@ def _check(recipe: Recipe, origin: str) -> None:
         value = getattr(getattr(recipe, section), name)
         problem = check(value)
         if problem:
-            raise UserError(f"{origin}: {key} {problem}, not {value}.")
-    if not all(0 <= b < 1 for b in o.betas):
-        raise UserError(f"{origin}: optimizer.betas must both be in [0, 1), not {list(o.betas)}.")
-    if not 0 < recipe.schedule.decay_factor <= 1:
-        raise UserError(f"{origin}: schedule.decay_factor must be in (0, 1], not {recipe.schedule.decay_factor}.")
+            raise UserError(f"{origin}: {key} {problem}, not {list(value) if isinstance(value, tuple) else value}.")
+    if recipe.schedule.name == "cosine" and recipe.schedule.min_lr > o.lr:
+        raise UserError(f"{origin}: schedule.min_lr {recipe.schedule.min_lr} is above optimizer.lr {o.lr}; the cosine schedule decays from lr down to min_lr.")
     if m.kind in MODEL_PRESETS and not m.init_from:  # init_from: the pretrained model's own shape
         try:  # the preset name, custom's three sizes, n_embd divisible by n_head: before any rank starts
             model_shape(m)

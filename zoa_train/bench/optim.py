@@ -108,10 +108,41 @@ def model_shapes(params_millions: float) -> tuple[list[tuple[str, tuple[int, ...
     return shapes, summary
 
 
-def onebit_allreduce_bytes(numel: int, world_size: int) -> dict[str, int]:
+def onebit_allreduce_bytes(numel: int, world_size: int, device: torch.device | str = "cpu") -> dict[str, int]:
     """Bytes of each buffer a OneBitAllReduce of `numel` elements allocates on `world_size` ranks
-    (on CPU, default block size), from the same sizing rules the class allocates by."""
-    return {name: size * dtype.itemsize for name, (size, dtype) in onebit_buffers(numel, world_size).items()}
+    (on `device`, default block size), from the same sizing rules the class allocates by."""
+    return {name: size * dtype.itemsize for name, (size, dtype) in onebit_buffers(numel, world_size, device).items()}
+
+
+MEASURED_RANKS = 2
+
+
+def measure_rank(shapes: list[tuple[str, tuple[int, ...]]], device: str) -> dict | None:
+    """One of MEASURED_RANKS real ranks (Gloo, tensors on `device`): ZeroOneAdam over the model's
+    tensors after a variance step and a 1-bit sync, what it holds (rank 0 returns it); on CUDA also
+    what the allocator gained while it was built and stepped."""
+    import torch.distributed as dist
+
+    from zoa_train.distributed import init_process_group
+
+    init_process_group("gloo")
+    try:
+        where = torch.device(device)
+        params = _param_maker(shapes, where)()
+        cuda = where.type == "cuda"
+        before = torch.cuda.memory_allocated(where) if cuda else 0
+        opt = ZeroOneAdam(params, var_freeze_step=1, local_steps="fixed", local_step_interval=1, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+        for _ in range(2):
+            opt.step()
+        state, workspace = _held_bytes(opt)
+        allocated = torch.cuda.memory_allocated(where) - before if cuda else None
+        return (
+            {"world_size": dist.get_world_size(), "state_bytes": state, "workspace_bytes": workspace, "allocated_bytes": allocated}
+            if dist.get_rank() == 0
+            else None
+        )
+    finally:
+        dist.destroy_process_group()
 
 
 def run_optimizer_bench(params_millions: float = 25.0, repeats: int = 10, threads: int | None = None, device: str = "cpu") -> dict:
@@ -182,7 +213,11 @@ def _run(params_millions: float, repeats: int, threads: int, device: torch.devic
     zero_one = optimizers["ZeroOneAdam local"]
     comm = zero_one.collective
     measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for key in STATE_KEYS + WORKSPACE_KEYS}
-    analytic = [_analytic_row(numel, n) for n in ANALYTIC_WORLD_SIZES]
+    analytic = [_analytic_row(numel, n, device) for n in ANALYTIC_WORLD_SIZES]
+    from zoa_train.distributed import launch_local
+
+    ranks = launch_local(measure_rank, MEASURED_RANKS, shapes, str(device))[0]
+    ranks |= {key.replace("bytes", "copies"): ranks[key] / (4 * numel) for key in ("state_bytes", "workspace_bytes")}
     return {
         "device": str(device),
         "threads": threads,
@@ -196,7 +231,8 @@ def _run(params_millions: float, repeats: int, threads: int, device: torch.devic
         "local_vs_adamw": local,
         "target_met": local <= TARGET_LOCAL_VS_ADAMW,
         "analytic": analytic,
-        "analytic_matches_measured_at_n1": measured == onebit_allreduce_bytes(numel, 1),
+        "analytic_matches_measured_at_n1": measured == onebit_allreduce_bytes(numel, 1, device),
+        "measured_ranks": ranks,
     }
 
 
@@ -275,10 +311,10 @@ def _held_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
     return state, workspace
 
 
-def _analytic_row(numel: int, n: int) -> dict:
+def _analytic_row(numel: int, n: int, device: torch.device) -> dict:
     """Buffers at world size n: ZeroOneAdam has three flat buffers (m, denominator, anchor) and
     OneBitAdam two (m, denominator), each plus one OneBitAllReduce of the whole model."""
-    comm = onebit_allreduce_bytes(numel, n)
+    comm = onebit_allreduce_bytes(numel, n, device)
     onebit_state = sum(comm[key] for key in STATE_KEYS)
     workspace = sum(comm[key] for key in WORKSPACE_KEYS)
     state = 3 * 4 * numel + onebit_state
@@ -320,7 +356,7 @@ def format_optimizer_bench(result: dict) -> Table:
     verdict = "met" if result["target_met"] else "NOT met"
     measured.caption = f"target: ZeroOneAdam local step <= {result['target_local_vs_adamw']}x AdamW(fused): {result['local_vs_adamw']:.2f}x, {verdict}"
 
-    analytic = Table(title="Buffers by world size n in fp32 copies of the model, from OneBitAllReduce's sizing rules")
+    analytic = Table(title="ZeroOneAdam's buffers by world size n in fp32 copies of the model, from OneBitAllReduce's sizing rules")
     for name in ("n", "0/1 Adam state", "comm workspace", "0/1 Adam total", "DeepSpeed 0/1 Adam 4 + 1/n", "1-bit Adam state"):
         analytic.add_column(name, justify="right")
     for r in result["analytic"]:
@@ -332,8 +368,21 @@ def format_optimizer_bench(result: dict) -> Table:
             f"{r['deepspeed_copies']:.4f}",
             f"{r['onebit_adam_state_copies']:.4f}",
         )
+    m = result["measured_ranks"]
+    analytic.add_row(
+        f"{m['world_size']} real",
+        f"{m['state_copies']:.4f}",
+        f"{m['workspace_copies']:.4f}",
+        f"{m['state_copies'] + m['workspace_copies']:.4f}",
+        f"{4 + 1 / m['world_size']:.4f}",
+        "",
+    )
     check = "match" if result["analytic_matches_measured_at_n1"] else "DO NOT match"
-    analytic.caption = f"at n = 1 the sizing rules {check} the measured buffers"
+    allocated = f"; the CUDA allocator gained {m['allocated_bytes'] / (4 * result['numel']):.4f} copies" if m["allocated_bytes"] is not None else ""
+    analytic.caption = (
+        f"on {result['device']}; at n = 1 the sizing rules {check} the measured buffers; the measured row: "
+        f"{m['world_size']} real ranks on {result['device']}, the model's {model['tensors']} tensors{allocated}"
+    )
 
     grid = Table.grid(padding=(1, 0))
     grid.add_row(measured)

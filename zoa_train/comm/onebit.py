@@ -47,9 +47,13 @@ SCALE_ROW = 1 << 12  # most elements sharing one scale: a power of two, so most 
 # and the scales behind them can be viewed as fp32 in place.
 _ROW_ALIGN = 32
 _SCALE_BYTES = 4
-# Elements per block on accelerators: the whole buffer of most models (few, large kernels), while
-# the scratch (about 8.5 bytes per element of a block) stays near 1 GiB.
+# Elements per block on accelerators at most: few, large kernels, and scratch (about 8.5 bytes per
+# element of a block) of at most about 1 GiB.
 DEVICE_BLOCK = 1 << 27
+# And on every device at most this share of the call's buffers: the scratch then stays near 0.1 fp32
+# copies of them (with the wire buffers, 0.2 + 1/(8n)), small models and accelerators alike, at
+# about 20 blocks of 35 + n ops each per call (docs/results.md, "The 1-bit call's scratch").
+BLOCK_SHARE = 1 / 20
 # torch 2.14 documents all_gather_single and deprecates all_gather_into_tensor (a FutureWarning on
 # every call); older releases have only the latter.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -130,14 +134,20 @@ def _buffer_sizes(sizes) -> list:
     return list(sizes)
 
 
-def _block_rows(layout: OneBitLayout, device: torch.device, block_size: int | None) -> int:
-    """Rows of each chunk that one block of a pass holds: a block is those rows of all n chunks.
+def block_elements(layouts: Sequence[OneBitLayout], device: torch.device) -> int:
+    """The default elements per block of a call's buffers: BLOCK_SHARE of all of them together (the
+    scratch is shared by the call's buffers, so a small parameter group takes few, large blocks),
+    and at most BLOCK on CPU (in cache) or DEVICE_BLOCK on accelerators."""
+    cap = BLOCK if device.type == "cpu" else DEVICE_BLOCK
+    return min(cap, int(sum(l.padded for l in layouts if l.active) * BLOCK_SHARE))
 
-    Default on CPU: at most BLOCK elements (in cache) and at most one chunk's worth; on accelerators
-    up to DEVICE_BLOCK elements, i.e. the whole buffer of most models: a pass is then a few
-    kernels whatever the number of rows or ranks."""
+
+def _block_rows(layout: OneBitLayout, device: torch.device, block_size: int | None, default: int) -> int:
+    """Rows of each chunk that one block of a pass holds: a block is those rows of all n chunks, at
+    most `block_size` elements (`default` when None: on CPU also at most one chunk's worth). A pass is
+    a few kernels per block whatever the number of rows or ranks."""
     if block_size is None:
-        block_size = min(BLOCK, layout.chunk) if device.type == "cpu" else DEVICE_BLOCK
+        block_size = min(default, layout.chunk) if device.type == "cpu" else default
     n = layout.padded // layout.chunk
     return min(layout.rows, max(1, block_size // (n * layout.row)))
 
@@ -158,7 +168,8 @@ def onebit_buffers(
     layouts = [onebit_layout(s, world_size, scale_row) for s in _buffer_sizes(sizes)]
     active = [l for l in layouts if l.active]
     n, device = world_size, torch.device(device)
-    block = max((world_size * l.row * _block_rows(l, device, block_size) for l in active), default=0)
+    default = block_elements(active, device)
+    block = max((world_size * l.row * _block_rows(l, device, block_size, default) for l in active), default=0)
     segment = sum(l.segment for l in active)
     return {
         "_worker": (sum(l.padded for l in layouts), torch.float32),
@@ -271,7 +282,9 @@ class OneBitAllReduce:
         for name, (size, dtype) in onebit_buffers(buffers, self.world_size, self.device, block_size, scale_row).items():
             setattr(self, name, torch.zeros(size, dtype=dtype, device=self.device))
         self._accumulators = list(self._worker.split([l.padded for l in self.layouts]))
+        self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see _laid_out
         self._segment = sum(l.segment for l in self.layouts if l.active)
+        self._default_block = block_elements(self.layouts, self.device)
         self._parts: list[_Part | None] = []
         worker = server = column = coef = 0
         for layout in self.layouts:
@@ -296,7 +309,7 @@ class OneBitAllReduce:
         norm = valid.clamp(min=1).to(torch.float32).sqrt().to(self.device)
         device_or_none = lambda index: index.to(self.device) if index.numel() else None  # noqa: E731
         blocks = []
-        step = _block_rows(layout, self.device, block_size)
+        step = _block_rows(layout, self.device, block_size, self._default_block)
         for first in range(0, rows, step):
             last = min(first + step, rows)
             signs = slice(first * row // 8, last * row // 8)
@@ -335,6 +348,11 @@ class OneBitAllReduce:
         return self.layouts[self._only()]
 
     @property
+    def blocks_per_call(self) -> int:
+        """Blocks that each pass of a call works through, all buffers together (ops grow with them)."""
+        return sum(len(part.blocks) for part in self._parts if part is not None)
+
+    @property
     def bytes_per_call(self) -> int:
         """Bytes this rank sends in one call: (n-1) segments in each pass."""
         return 2 * (self.world_size - 1) * self._segment
@@ -365,19 +383,41 @@ class OneBitAllReduce:
         return self._server.clone()
 
     def op(self, tensor: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
-        """Average `tensor` (a buffer in the layout; a list of them, one per buffer) in place over
-        the group, error-compensated, and return it."""
+        """Average `tensor` in place over the group, error-compensated, and return it; a list of
+        tensors for several buffers, one each.
+
+        A tensor may hold just the buffer's `numel` elements (its tensors back to back, any length:
+        it is padded and unpadded here, through a scratch buffer kept for the next call) or be a
+        buffer already in the layout (`layout.padded` elements), which is the optimizers' fast path
+        with no copy. Non-finite values make the output rows they fall in non-finite, on every rank
+        alike, and those rows' errors restart at zero: the next finite call is unaffected."""
         tensors = self._per_buffer(tensor)
         for t, layout in zip(tensors, self.layouts):
-            if t.numel() != layout.padded:
-                raise ValueError(f"OneBitAllReduce's layout has {layout.padded} elements, got a tensor of {t.numel()}")
+            if t.numel() not in (layout.padded, layout.numel):
+                raise ValueError(f"this OneBitAllReduce averages {layout.numel} elements (or {layout.padded} in its layout), got a tensor of {t.numel()}")
             if layout.active and not t.is_contiguous():
                 raise ValueError("OneBitAllReduce.op needs a contiguous tensor")
         if self.world_size < 2:
             return tensor
-        flat = [t.view(-1) for t in tensors]
+        flat = [t.view(-1) if t.numel() == layout.padded else self._laid_out(t.view(-1), i) for i, (t, layout) in enumerate(zip(tensors, self.layouts))]
         self.exchange(out=flat, addend=flat)
+        for i, (t, buffer) in enumerate(zip(tensors, flat)):
+            if t.numel() != buffer.numel():
+                torch._foreach_copy_(list(t.view(-1).split(self.layouts[i].sizes)), self._views(buffer, i))
         return tensor
+
+    def _laid_out(self, packed: torch.Tensor, index: int) -> torch.Tensor:
+        """`packed` (buffer `index`'s tensors back to back) copied into a padded scratch buffer in its layout."""
+        key = (index, packed.dtype)
+        if key not in self._scratch:
+            self._scratch[key] = torch.zeros(self.layouts[index].padded, dtype=packed.dtype, device=self.device)
+        buffer = self._scratch[key]
+        torch._foreach_copy_(self._views(buffer, index), list(packed.split(self.layouts[index].sizes)))
+        return buffer
+
+    def _views(self, buffer: torch.Tensor, index: int) -> list[torch.Tensor]:
+        layout = self.layouts[index]
+        return [buffer[offset : offset + size] for offset, size in zip(layout.offsets, layout.sizes)]
 
     def _per_buffer(self, tensors) -> list[torch.Tensor]:
         tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
@@ -465,6 +505,9 @@ class OneBitAllReduce:
         # y - s*sign(y) with sign = 2*flag - 1: y + s - 2*s*flag
         column = scales.unsqueeze(2)
         values.add_(column).addcmul_(flags, column, value=-2)
+        # A non-finite value makes its row's scale non-finite, which the wire carries to every rank's
+        # output of that row; its error would carry it into every later call: it restarts at zero.
+        values.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         pack_flags(flags.view(-1), self._flag_bytes[: values.numel()], signs)
         if padding is not None:
             base.index_fill_(0, padding, 0)  # the residual left -s there

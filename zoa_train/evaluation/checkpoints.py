@@ -96,10 +96,10 @@ def _load_checkpoint(path: Path) -> LoadedModel:
 def _averaged_state(model_file: Path) -> tuple[dict, int]:
     """model.pt, or the average of the ranks' own models when the checkpoint holds them (floats are
     averaged, integer buffers taken from rank 0)."""
-    state = _read(model_file, weights_only=True)
+    state = _read(model_file)
     per_rank = []
     for rank_file in sorted(model_file.parent.glob("rank_*.pt")):
-        saved = _read(rank_file, weights_only=False)
+        saved = _read(rank_file)
         if isinstance(saved, dict) and "model" in saved:
             per_rank.append(saved["model"])
     if not per_rank:
@@ -113,10 +113,15 @@ def _averaged_state(model_file: Path) -> tuple[dict, int]:
     return averaged, len(per_rank)
 
 
-def _read(file: Path, weights_only: bool):
-    """torch.load, with a file torch cannot read (truncated, not a checkpoint) refused in one sentence."""
+def _read(file: Path):
+    """A checkpoint file, tensors and plain values only (train/rundir.py: read_checkpoint_file); a file
+    torch cannot read (truncated, not a checkpoint) refused in one sentence too."""
+    from zoa_train.train.rundir import read_checkpoint_file
+
     try:
-        return torch.load(file, map_location="cpu", weights_only=weights_only)
+        return read_checkpoint_file(file)
+    except UserError:
+        raise
     except Exception as e:  # noqa: BLE001 -- unpickling, zip and version errors alike: the file is unusable
         # torch's own messages run to several sentences: the exception's name is enough to go on.
         raise UserError(f"{file} is not a readable PyTorch checkpoint file ({type(e).__name__}).") from None

@@ -191,11 +191,12 @@ def export_command(
     """Write a GPT-2 or BERT checkpoint and its tokenizer as a Hugging Face model directory.
 
     The directory is what save_pretrained writes (for from_pretrained, pipelines, lm-evaluation-harness) plus zoa_export.json, its provenance; a checkpoint inside a local-step period exports the ranks' average."""
-    from rich.console import Console
     from rich.table import Table
 
+    from zoa_train import console as zoa_console
+
     result = export_language_model(checkpoint, out_dir, overwrite)
-    console = Console()
+    console = zoa_console.out
     step = f"step {result.step}" if result.step is not None else "no recorded step"
     console.print(f"exported {result.architecture} ({step}) from {result.source} to {result.out_dir}", highlight=False, soft_wrap=True)
     if result.averaged_ranks > 1:

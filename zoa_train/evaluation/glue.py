@@ -688,12 +688,11 @@ class _NoProgress:
 def _progress(show: bool):
     if not show:
         return _NoProgress()
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=Console(stderr=True)
-    )
+    from zoa_train import console as zoa_console
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=zoa_console.err)
 
 
 def format_glue(result: dict):
@@ -740,7 +739,9 @@ def glue_command(
     data_dir: Annotated[
         str,
         typer.Option(
-            "--data-dir", help="The GLUE distribution (CoLA/train.tsv, CoLA/dev.tsv, ...), or hub for the hub's nyu-mll/glue when online. [default: glue_data]"
+            "--data-dir",
+            help="The GLUE distribution (CoLA/train.tsv, CoLA/dev.tsv, ...), or hub for the hub's nyu-mll/glue when online. [default: glue_data]",
+            show_default=False,
         ),
     ] = "glue_data",
     set_: Annotated[
@@ -749,19 +750,19 @@ def glue_command(
             "--set", help="Fine-tuning setting: finetune.lr, .epochs, .batch_size, .seq_len, .warmup_ratio, .weight_decay, .grad_clip, .seed (repeatable)."
         ),
     ] = [],
-    seeds: Annotated[int, typer.Option(help="Fine-tune with seeds seed .. seed+K-1 and report the medians. [default: 1]")] = 1,
+    seeds: Annotated[int, typer.Option(help="Fine-tune with seeds seed .. seed+K-1 and report the medians. [default: 1]", show_default=False)] = 1,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.")] = None,
 ) -> None:
     """Fine-tune a BERT checkpoint on GLUE tasks and score it on their dev splits (run_glue's metrics; under torchrun or srun, DDP over the ranks)."""
-    from rich.console import Console
+    from zoa_train import console as zoa_console
 
-    result = evaluate_glue(checkpoint, task, data_dir, set_, seeds, say=lambda m: Console(stderr=True).print(m, highlight=False, soft_wrap=True))
+    result = evaluate_glue(checkpoint, task, data_dir, set_, seeds, say=zoa_console.err.print)
     if result is None:  # not rank 0
         return
     if json_out is not None:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(_json_safe(result), indent=2) + "\n")
-    console = Console()
+    console = zoa_console.out
     step = result["checkpoint"]["step"]
     console.print(f"{result['checkpoint']['source']}" + (f" (step {step})" if step is not None else ""), highlight=False, soft_wrap=True)
     console.print(result["protocol"], highlight=False, soft_wrap=True)

@@ -417,10 +417,11 @@ def _add_over_ranks(sums: list[Sums], ranks) -> list[Sums]:
 
 def _score_with_progress(model, passes: list[tuple[str, list[Window]]], batch_size: int, ranks, pad_id: int) -> list[Sums]:
     """Each pass's windows scored (this rank's share), with a progress bar on rank 0's terminal."""
-    from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-    console = Console(stderr=True)
+    from zoa_train import console as zoa_console
+
+    console = zoa_console.err
     shares = [(label, ranks.share(windows)) for label, windows in passes]
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=True, disable=ranks.rank != 0 or not console.is_terminal) as progress:
@@ -502,27 +503,28 @@ def wikitext_command(
     data: Annotated[
         str,
         typer.Option(
-            help="WikiText-103's word-level test file (wiki.test.tokens as distributed), or 'hub' for the hub's wikitext-103-raw-v1 test split (online). \\[default: hub]",
+            help="WikiText-103's word-level test file (wiki.test.tokens as distributed), or 'hub' for the hub's wikitext-103-raw-v1 test split (online). [default: hub]",
             show_default=False,
         ),
     ] = HUB,
-    seq_len: Annotated[int, typer.Option(help="Tokens of input per window, at most the model's n_positions. \\[default: 1024]", show_default=False)] = 1024,
+    seq_len: Annotated[int, typer.Option(help="Tokens of input per window, at most the model's n_positions. [default: 1024]", show_default=False)] = 1024,
     stride: Annotated[
         int,
         typer.Option(
-            help="Tokens each window moves on and scores after the first; --stride equal to --seq-len: non-overlapping windows. \\[default: 32]",
+            help="Tokens each window moves on and scores after the first; --stride equal to --seq-len: non-overlapping windows. [default: 32]",
             show_default=False,
         ),
     ] = 32,
-    batch_size: Annotated[int, typer.Option(help="Windows per forward pass. \\[default: 8]", show_default=False)] = 8,
+    batch_size: Annotated[int, typer.Option(help="Windows per forward pass. [default: 8]", show_default=False)] = 8,
     raw: Annotated[
         bool, typer.Option("--raw", help="The file is ordinary text: no WikiText detokenization, words are its whitespace-separated words.")
     ] = False,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.", show_default=False)] = None,
 ) -> None:
     """Zero-shot WikiText-103 perplexity of a GPT-2 model: token and adjusted (word-level) perplexity with overlapping windows, and lm-evaluation-harness's word_perplexity and bits_per_byte; split over the ranks under torchrun or srun."""
-    from rich.console import Console
     from rich.table import Table
+
+    from zoa_train import console as zoa_console
 
     result = evaluate_wikitext(checkpoint, data, seq_len, stride, batch_size, detokenize=not raw)
     if result is None:
@@ -539,7 +541,7 @@ def wikitext_command(
     table.add_row(f"lm-eval (non-overlapping, {result['seq_len']})", f"word_perplexity ({lm['words']:,} words)", _number(lm["word_perplexity"]))
     table.add_row("", "byte_perplexity", _number(lm["byte_perplexity"]))
     table.add_row("", f"bits_per_byte ({lm['bytes']:,} bytes)", f"{lm['bits_per_byte']:.4f}")
-    console = Console()
+    console = zoa_console.out
     console.print(table)
     console.print(f"{result['tokens']:,} tokens in {result['windows']:,} windows, {result['seconds']:.1f}s", highlight=False)
 
@@ -580,23 +582,24 @@ def lambada_command(
     data: Annotated[
         str,
         typer.Option(
-            help="The LAMBADA test set as JSON lines with a \"text\" field (OpenAI's version), or 'hub' for EleutherAI/lambada_openai (online). \\[default: hub]",
+            help="The LAMBADA test set as JSON lines with a \"text\" field (OpenAI's version), or 'hub' for EleutherAI/lambada_openai (online). [default: hub]",
             show_default=False,
         ),
     ] = HUB,
-    batch_size: Annotated[int, typer.Option(help="Examples per forward pass. \\[default: 8]", show_default=False)] = 8,
+    batch_size: Annotated[int, typer.Option(help="Examples per forward pass. [default: 8]", show_default=False)] = 8,
     seq_len: Annotated[
         int,
         typer.Option(
-            help="Longest input: longer contexts lose their start (a model trained on short windows does best at its training length). \\[default: the model's n_positions]",
+            help="Longest input: longer contexts lose their start (a model trained on short windows does best at its training length). [default: the model's n_positions]",
             show_default=False,
         ),
     ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.", show_default=False)] = None,
 ) -> None:
     """LAMBADA last-word prediction of a GPT-2 model: strict accuracy (every token of the word the argmax), target perplexity and lm-evaluation-harness's perplexity; split over the ranks under torchrun or srun."""
-    from rich.console import Console
     from rich.table import Table
+
+    from zoa_train import console as zoa_console
 
     result = evaluate_lambada(checkpoint, data, batch_size, seq_len)
     if result is None:
@@ -607,6 +610,6 @@ def lambada_command(
     for name in ("examples", "accuracy (strict)", "target-token perplexity", "lm-eval perplexity (per example)"):
         table.add_column(name, justify="right")
     table.add_row(f"{result['examples']:,}", f"{100 * result['accuracy']:.2f}%", _number(result["target_perplexity"]), _number(result["lm_eval_perplexity"]))
-    console = Console()
+    console = zoa_console.out
     console.print(table)
     console.print(f"{result['correct']:,} correct, {result['target_tokens']:,} target tokens, {result['seconds']:.1f}s", highlight=False)

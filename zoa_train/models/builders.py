@@ -71,7 +71,7 @@ def build_gpt2(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_token_id: in
     import transformers
 
     if cfg.init_from:
-        return _from_pretrained(cfg, transformers.AutoModelForCausalLM)
+        return _causal_lm_loss(_from_pretrained(cfg, transformers.AutoModelForCausalLM))
     n_layer, n_embd, n_head = model_shape(cfg)
     config = transformers.GPT2Config(
         vocab_size=vocab_size,
@@ -85,7 +85,15 @@ def build_gpt2(cfg: ModelConfig, vocab_size: int, seq_len: int, eos_token_id: in
         bos_token_id=eos_token_id,
         eos_token_id=eos_token_id,
     )
-    return transformers.GPT2LMHeadModel(config)
+    return _causal_lm_loss(transformers.GPT2LMHeadModel(config))
+
+
+def _causal_lm_loss(model: torch.nn.Module) -> torch.nn.Module:
+    """Name the loss transformers would pick anyway (its causal-LM cross-entropy): a GPT2LMHeadModel's
+    class name matches none of its loss names, so every rank would otherwise warn that it guessed.
+    transformers 5 reads the model's attribute, 4.x the config's."""
+    model.loss_type = model.config.loss_type = "ForCausalLM"
+    return model
 
 
 def build_bert(cfg: ModelConfig, vocab_size: int, seq_len: int, pad_token_id: int | None = None) -> torch.nn.Module:

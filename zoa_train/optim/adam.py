@@ -12,6 +12,17 @@ from zoa_train.optim.base import DataParallelOptimizer
 
 
 class DataParallelAdam(DataParallelOptimizer):
+    """Adam (AdamW's decoupled weight decay) whose `step()` first averages the gradients over the
+    ranks in full precision (one allreduce per group, `allreduce_dtype`, fp32 by default): the
+    uncompressed reference for the 1-bit optimizers, with the same flat state, ledger and
+    bias-correction setting, so that a comparison isolates compression. Use it without DDP, or under
+    DDP over a one-rank `process_group` for the math alone (the `adam` recipe without bias correction).
+
+    Parameters: lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=False,
+    process_group (default: the world), allreduce_dtype=None.
+    State (`state_dict()`): per group flat fp32 m and v and the ledger: 2 fp32 copies of the model.
+    """
+
     def __init__(
         self,
         params,

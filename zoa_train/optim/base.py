@@ -16,6 +16,23 @@ from zoa_train.comm.onebit import OneBitLayout
 from zoa_train.errors import UserError
 from zoa_train.step_kinds import FULL, LOCAL, ONEBIT
 
+SPARSE = (
+    "a parameter has a sparse gradient, which these optimizers do not support (their flat state and 1-bit error "
+    "buffers are dense); make it dense (e.g. nn.Embedding(sparse=False)) or use a torch optimizer"
+)
+
+
+def check_hyperparameters(name: str, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """Refuse what torch.optim's Adam refuses, in one sentence (NaN fails every comparison)."""
+    if not lr >= 0:
+        raise ValueError(f"{name}: lr must be >= 0, got {lr}")
+    if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"{name}: betas must be two numbers in [0, 1), got {betas}")
+    if not eps >= 0:
+        raise ValueError(f"{name}: eps must be >= 0, got {eps}")
+    if not weight_decay >= 0:
+        raise ValueError(f"{name}: weight_decay must be >= 0, got {weight_decay}")
+
 
 @dataclass
 class StepRecord:
@@ -71,7 +88,10 @@ class FlatGroup:
 
     def flat_grad(self) -> torch.Tensor:
         """All gradients in one new flat fp32 buffer (zeros where .grad is None)."""
-        return self.flatten([p.grad for p in self.params])
+        grads = [p.grad for p in self.params]
+        if any(g is not None and g.is_sparse for g in grads):
+            raise ValueError(SPARSE)
+        return self.flatten(grads)
 
     def split_by_grad(self, views: list[torch.Tensor]):
         """(grads, views of params that have one, views of params that have none)."""
@@ -81,7 +101,7 @@ class FlatGroup:
                 without.append(view)
             else:
                 if p.grad.is_sparse:
-                    raise ValueError("sparse gradients are not supported")
+                    raise ValueError(SPARSE)
                 grads.append(p.grad)
                 with_grad.append(view)
         return grads, with_grad, without
@@ -99,6 +119,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None, collective: CollectiveFactory | None = None):
         self._constructed = False
+        check_hyperparameters(type(self).__name__, defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
         super().__init__(params, defaults)
         self.process_group = process_group
         self.allreduce_dtype = allreduce_dtype

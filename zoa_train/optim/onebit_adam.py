@@ -15,6 +15,23 @@ from zoa_train.optim.base import DataParallelOptimizer
 
 
 class OneBitAdam(DataParallelOptimizer):
+    """1-bit Adam: data-parallel Adam in full precision for `freeze_step` steps, then with the
+    variance frozen and the momentum averaged by a 1-bit error-compensated allreduce every step.
+
+    Use it without DDP: `step()` communicates. During the warm-up it averages the gradients in full
+    precision (`allreduce_dtype`, fp32 by default) and updates m and v from them; afterwards each rank
+    updates m from its own gradient and one call of `collective` (two collectives) gives every rank
+    the same averaged m, so the parameters stay identical on all ranks. A parameter whose gradient
+    was zero at every warm-up step has v = 0 and does not move.
+
+    Parameters: lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0 (decoupled),
+    bias_correction=False, freeze_step=100_000 (at least 1), process_group (default: the world),
+    allreduce_dtype=None (the parameters' fp32), collective (default OneBitAllReduce).
+
+    State (`state_dict()`): per group flat fp32 m and v (then the denominator) in the collective's
+    layout, the ledger, and this rank's 1-bit error buffers: about 3 + 1/n fp32 copies of the model.
+    """
+
     def __init__(
         self,
         params,

@@ -58,6 +58,7 @@ def _summary(counts: PlanCounts, *, steps: int, num_params: int, world_size: int
         "bytes_per_rank": fp * fp_bytes + ob * ob_bytes,
         "comm_time_s": fp * fp_time + ob * ob_time,
         **counts.extra,
+        **({"warning": counts.warning} if counts.warning else {}),
     }
 
 

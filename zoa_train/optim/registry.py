@@ -56,7 +56,12 @@ class SharedKnobs:
     allreduce_dtype: Literal["fp32", "fp16", "bf16"] = "fp32"  # full-precision collectives
 
 
-SHARED_CHECKS: dict[str, Check] = {"lr": checks.positive, "weight_decay": checks.non_negative, "eps": checks.non_negative}
+SHARED_CHECKS: dict[str, Check] = {
+    "lr": checks.positive,
+    "betas": checks.each(checks.FRACTION),
+    "eps": checks.positive,
+    "weight_decay": checks.non_negative,
+}
 
 
 @dataclass
@@ -109,6 +114,7 @@ class PlanCounts:
     syncs: int  # steps after which every rank holds the same parameters
     variance_updates: int  # |T_v|
     extra: Mapping[str, Any] = field(default_factory=dict)  # more figures, kept in `plan --json`
+    warning: str | None = None  # a setting that defeats the optimizer's purpose on this run, said once
 
 
 @dataclass(frozen=True)
@@ -290,6 +296,14 @@ def _plan_zero_one_adam(ctx: PlanContext) -> PlanCounts:
     except ValueError as e:  # the schedule's own validation of its knobs
         raise UserError(f"{e}.") from e
     synced = kinds[VARIANCE] + kinds[ONEBIT]
+    k = ctx.knobs
+    warning = None
+    if k.local_steps == "lr" and ctx.steps > k.var_freeze_step and not kinds[LOCAL]:
+        warning = (
+            f"optimizer.local_steps is lr and this run never takes a local step: after var_freeze_step ({k.var_freeze_step:,}) "
+            "its lr never falls to half its peak, which the first doubling of the sync interval needs; use a decaying "
+            "schedule (exponential, cosine) or local_steps fixed or steps."
+        )
     return PlanCounts(
         fp_allreduces=kinds[VARIANCE],
         onebit_allreduces=kinds[ONEBIT],
@@ -297,6 +311,7 @@ def _plan_zero_one_adam(ctx: PlanContext) -> PlanCounts:
         syncs=synced,
         variance_updates=kinds[VARIANCE],
         extra={"variance_update_bound": variance_update_bound(*ctx.betas), "max_interval": max_interval},
+        warning=warning,
     )
 
 

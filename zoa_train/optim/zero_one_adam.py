@@ -49,6 +49,37 @@ from zoa_train.step_kinds import VARIANCE
 
 
 class ZeroOneAdam(DataParallelOptimizer):
+    """0/1 Adam: Adam whose variance is frozen on a sparse schedule and whose ranks take local steps
+    between 1-bit syncs, so that on average well under one bit per parameter crosses the network.
+
+    Use it without DDP: it does the data-parallel communication itself, in `step()`:
+      - a variance step (ZeroOneSchedule's T_v, until `var_freeze_step`): the gradients averaged in
+        full precision (`allreduce_dtype`, fp32 by default), v and m updated from that average;
+      - a sync step (every step until the freeze, then every `interval` steps): the displacement
+        since the last sync averaged by one 1-bit call of `collective` (two collectives), which
+        puts every rank on the same parameters and momentum;
+      - a local step: Adam's step with the frozen denominator; nothing is sent.
+    The sync interval follows `local_steps`: "lr" doubles it each time the lr halves from its peak
+    (the paper; a constant lr never takes a local step), "steps" every `local_step_scaler` steps
+    after the freeze (DeepSpeed's rule), "fixed" is `local_step_interval`; at most `local_step_clip`.
+
+    Parameters (defaults are the authors' DeepSpeed ones, docs/algorithm.md "Defaults"):
+      lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0 (decoupled, never in the momentum),
+      bias_correction=False; var_freeze_step=100_000, var_update_scaler=16 (kappa: the gaps between
+      variance updates double every kappa updates), local_steps="lr", local_step_clip=16,
+      local_step_scaler=32_678, local_step_interval=1; update_clip=1.0 (before the freeze, each
+      tensor's m/d is scaled to an RMS of at most this on steps with a stale variance; None: off);
+      process_group (default: the world), collective (default OneBitAllReduce; see
+      zoa_train/comm/protocol.py).
+
+    State (`state_dict()`): per group, flat fp32 m, v (then the denominator) and the anchor (the
+    parameters at the last sync) in the collective's layout; the schedule and the ledger; this rank's
+    1-bit error buffers, and inside a local-step period its own m. About 4 + 1/n fp32 copies of the
+    model. `last_step` says what the last step did; `synchronize()` ends a local-step period (before
+    evaluating or saving); `average_at_sync(tensors)` averages buffers such as BatchNorm statistics
+    at every sync.
+    """
+
     def __init__(
         self,
         params,

@@ -54,8 +54,6 @@ class ImageClassification(Task):
             raise UserError(f"{origin}: data.source must be digits or folder for {recipe.model.kind}, not {d.source!r}.")
         if d.source == "folder" and not d.root:  # whether it exists is checked when the data is read: `plan` needs none
             raise UserError(f"{origin}: data.root must name the image folder (holding train/ and val/) when data.source is folder.")
-        if not 0 < d.min_crop_scale <= 1:
-            raise UserError(f"{origin}: data.min_crop_scale must be in (0, 1], not {d.min_crop_scale}.")
 
     @classmethod
     def model_for_counting(cls, recipe) -> torch.nn.Module:

@@ -1,8 +1,11 @@
-"""Rank-0 logging: metrics.jsonl (always), a rich progress bar, TensorBoard and wandb (offline by default)."""
+"""Rank-0 logging: metrics.jsonl (always), progress (a rich bar on a terminal; where output is piped,
+as in Slurm logs, CI or `| tee`, one plain line per log step), TensorBoard and wandb (offline by default)."""
 
 import json
 import logging
 import os
+import sys
+import time
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -31,9 +34,11 @@ class MetricsLogger:
                 self._wandb = wandb.init(project=recipe.logging.project, dir=str(run_dir), mode=recipe.logging.wandb, config=recipe.to_dict(), resume="allow")
             except ImportError:
                 log.warning("wandb is not installed; logging to metrics.jsonl and TensorBoard only")
-        self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn())
-        self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
-        self._progress.start()
+        self.total_steps, self.start_step, self.started = total_steps, start_step, time.monotonic()
+        if sys.stdout.isatty():
+            self._progress = Progress(TextColumn("[bold]step"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"), TimeRemainingColumn())
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, status="")
+            self._progress.start()
 
     def log(self, record: dict) -> None:
         if not self.enabled:
@@ -51,14 +56,34 @@ class MetricsLogger:
             status = (
                 f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  {rate:,.0f} {unit}/s  {record['bits_per_param']:.2f} bits/param  {record['rounds']} rounds"
             )
-            self._progress.update(self._task, completed=step, status=status)
+            if self._progress is not None:
+                self._progress.update(self._task, completed=step, status=status)
+            else:
+                self._plain_line(step, status, record)
+
+    def _plain_line(self, step: int, status: str, record: dict) -> None:
+        """One line of progress, whole (no terminal to fit), flushed at once: a log shows it as it happens."""
+        elapsed = time.monotonic() - self.started
+        done = step - self.start_step
+        eta = elapsed / done * (self.total_steps - step) if done > 0 else None
+        validation = "".join(f"  {k} {v:.4f}" for k, v in record.items() if k.startswith("val_") and isinstance(v, float))
+        line = f"step {step}/{self.total_steps}  {status}{validation}  elapsed {_clock(elapsed)}  ETA {_clock(eta) if eta is not None else '-'}"
+        print(line, flush=True)
 
     def close(self) -> None:
         if not self.enabled:
             return
-        self._progress.stop()
+        if self._progress is not None:
+            self._progress.stop()
         self._jsonl.close()
         if self._tensorboard:
             self._tensorboard.close()
         if self._wandb:
             self._wandb.finish()
+
+
+def _clock(seconds: float) -> str:
+    """h:mm:ss, or m:ss under an hour."""
+    minutes, secs = divmod(int(round(seconds)), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"

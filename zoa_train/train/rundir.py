@@ -43,12 +43,14 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -440,7 +442,29 @@ class RunDirectory:
     @staticmethod
     def load(checkpoint: Path, name: str, device: torch.device | str = "cpu"):
         """One file of a checkpoint (e.g. model.pt, trainer.pt, rank_00001.pt), tensors on `device`."""
-        return torch.load(checkpoint / name, map_location=device, weights_only=False)
+        return read_checkpoint_file(checkpoint / name, device)
+
+
+def _numpy_array_globals() -> list:
+    """What torch's weights-only unpickler needs for a plain numpy array: the RNG state of checkpoints
+    written before it was saved as a list. Nothing it admits can run code."""
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def read_checkpoint_file(path: Path, device: torch.device | str = "cpu"):
+    """torch.load of tensors and plain values only (weights_only): a checkpoint cannot run code when it
+    is read. A file holding any other pickled object is refused in one sentence."""
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            return torch.load(path, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"GLOBAL ([\w.]+)", str(e))
+        what = f"a pickled {found.group(1)}" if found else "a pickled object"
+        raise UserError(
+            f"{path} holds {what}, not only tensors and plain values; zoa-train reads no code from a checkpoint, "
+            "so it refuses the file (checkpoints it writes never hold one)."
+        ) from None
 
 
 def _record_step(line: str) -> float:

@@ -137,6 +137,12 @@ def reshard_position(state: dict, world_size: int) -> dict:
     return {**state, "world_size": world_size, "batch_index": samples // world_size}
 
 
+def _plain_numpy_state(state: tuple) -> tuple:
+    """numpy's RNG state with its key array as a list of ints: a checkpoint holds plain values only."""
+    name, keys, *rest = state
+    return (name, keys.tolist(), *rest)
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """A seed for this rank's own random draws, unrelated to the other ranks' and to `seed` itself."""
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1)
@@ -171,6 +177,7 @@ class Trainer:
         # correlate the ranks' gradients); the RNG states are in the checkpoint, so resume is exact.
         torch.manual_seed(rank_seed(t.seed, self.rank))
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world)
+        self._warn_about_the_plan(recipe)
         self.ledger = self.opt.ledger
         self.scheduler = recipe.lr_schedule().scheduler(self.opt.optimizer)
         self.scaler = LossScaler(t.precision == "fp16", self.device)
@@ -192,6 +199,15 @@ class Trainer:
             (self.run_dir.path / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
             self.task.save_artifacts(self.run_dir.path)
         self.metrics = MetricsLogger(self.run_dir.path, recipe, t.steps, self.step, self.is_main)
+
+    def _warn_about_the_plan(self, recipe: Recipe) -> None:
+        """Say once (rank 0) what the optimizer's plan for this run warns of, e.g. 0/1 Adam's lr policy
+        under a schedule that never lets it take a local step."""
+        spec, o = registry.get(recipe.optimizer.name), recipe.optimizer
+        context = registry.PlanContext(recipe.train.steps, recipe.lr_schedule(), self.world, 1, 32, o.betas, spec.knobs_from(o))
+        warning = spec.plan(context).warning
+        if warning and self.is_main:
+            log.warning(warning)
 
     # ---- the loop -----------------------------------------------------------------------------
 
@@ -360,7 +376,7 @@ class Trainer:
             "rng": {
                 "torch": torch.get_rng_state(),
                 "device": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,  # this rank's GPU only
-                "numpy": np.random.get_state(),
+                "numpy": _plain_numpy_state(np.random.get_state()),
                 "python": random.getstate(),
             },
         }
@@ -413,7 +429,7 @@ class Trainer:
             torch.set_rng_state(mine["rng"]["torch"])
             if mine["rng"].get("device") is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["rng"]["device"], self.device)
-            np.random.set_state(mine["rng"]["numpy"])
+            np.random.set_state(tuple(mine["rng"]["numpy"]))
             random.setstate(mine["rng"]["python"])
         shared = load(path, "trainer.pt")
         self.scheduler.load_state_dict(shared["scheduler"])
