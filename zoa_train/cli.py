@@ -109,7 +109,8 @@ def run_command(
     except LauncherSignalled as e:  # the ranks got the signal too; a stop signal made them checkpoint first
         import signal
 
-        from zoa_train.train.trainer import EXIT_PREEMPTED, STOP_SIGNALS
+        from zoa_train.distributed import STOP_SIGNALS
+        from zoa_train.train.trainer import EXIT_PREEMPTED
 
         latest = RunDirectory(run_dir).latest(hashes=False)
         where = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"

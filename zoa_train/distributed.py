@@ -6,9 +6,13 @@ Cluster environments are recognised from their variables:
             (SLURM_JOB_NODELIST, expanded by `scontrol show hostnames`) and MASTER_PORT or 29500.
 """
 
+import contextlib
+import multiprocessing
 import os
 import re
+import signal
 import subprocess
+import threading
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -19,6 +23,10 @@ import torch
 import torch.distributed as dist
 
 from zoa_train.errors import UserError
+
+# What schedulers send before they kill (Slurm: --signal=USR1@120; zoa-train's Slurm scripts use USR2):
+# every rank checkpoints at one agreed step and exits (train/trainer.py).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def default_backend() -> str:
@@ -128,6 +136,21 @@ def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    # A stop signal sent to this launcher (a scheduler's warning, kill PID) is passed on to the ranks,
+    # which agree on a step, checkpoint and return; the launcher keeps collecting their results. (Left
+    # to torch elastic, it would shut the ranks down instead, and a rank that has returned waits for a
+    # parent that no longer reads its result until the shutdown timeout kills it: two minutes.)
+    stopped: list[int] = []
+
+    def pass_on(signum, frame):
+        stopped.append(signum)
+        for rank in multiprocessing.active_children():  # the ranks torch elastic started from this process
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank.pid, signum)
+
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS} if in_main_thread else {}
+
     config = LaunchConfig(
         min_nodes=1,
         max_nodes=1,
@@ -138,9 +161,8 @@ def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
         max_restarts=max_restarts,
         monitor_interval=0.1,
         start_method="spawn",
-        # A stop signal sent to this launcher (a scheduler's warning, kill PID) is passed on to the
-        # ranks, which checkpoint and exit; without this the launcher would die and orphan them.
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1,SIGUSR2",
+        # Hard stops: torch elastic passes them on and shuts the ranks down (STOP_GRACE_S at most).
+        signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         shutdown_timeout=STOP_GRACE_S,
     )
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -148,9 +170,16 @@ def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
     try:
         results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
+        if stopped:  # a rank that did not stop cleanly after the signal
+            raise LauncherSignalled(stopped[0]) from None
         raise RankFailed(_root_cause(e)) from None
     except SignalException as e:
         raise LauncherSignalled(e.sigval) from None
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stopped:
+        raise LauncherSignalled(stopped[0])
     return [results[rank] for rank in range(nproc)]
 
 
@@ -162,7 +191,8 @@ class RankFailed(RuntimeError):
 
 
 class LauncherSignalled(RuntimeError):
-    """launch_local got a signal; it passed it on to the ranks and waited for them (STOP_GRACE_S)."""
+    """launch_local got a signal and passed it on to the ranks: after a stop signal they checkpointed and
+    returned; after a hard one torch elastic shut them down (STOP_GRACE_S at most)."""
 
     def __init__(self, signum):
         super().__init__(signum)

@@ -26,7 +26,7 @@ import yaml
 
 from zoa_train.config import Recipe, check_batch_layout, recipe_from_dict
 from zoa_train.data.prefetch import DevicePrefetcher
-from zoa_train.distributed import init_process_group, restart_count, threads_per_rank
+from zoa_train.distributed import STOP_SIGNALS, init_process_group, restart_count, threads_per_rank
 from zoa_train.errors import UserError
 from zoa_train.optim import registry
 from zoa_train.precision import autocast
@@ -46,11 +46,10 @@ class CollectiveTimeout(RuntimeError):
 
 
 _STOP_KEY, _STOP_COUNT = "zoa_train/stop_at", "zoa_train/stop_requests"
-# What schedulers send before they kill (Slurm: --signal=USR1@120; zoa-train's Slurm scripts use USR2).
-# A second one (the batch shell and torchrun may both forward it) only sets the same flag again; once
-# one has arrived they stay ignored until the process exits, so a late one cannot kill a rank that
-# has checkpointed and is on its way out with EXIT_PREEMPTED.
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2)
+# STOP_SIGNALS (distributed.py): what schedulers send before they kill. A second one (the batch shell and
+# torchrun may both forward it) only sets the same flag again; once one has arrived they stay ignored
+# until the process exits, so a late one cannot kill a rank that has checkpointed and is on its way out
+# with EXIT_PREEMPTED.
 EXIT_PREEMPTED = 75  # EX_TEMPFAIL: stopped on request after a complete checkpoint; `--resume auto` continues exactly
 
 
