@@ -26,6 +26,7 @@ from zoa_train.evaluation.language import (
     plan_windows,
     score_windows,
     split_articles,
+    split_documents,
     stream_windows,
     wikitext_detokenize,
 )
@@ -162,6 +163,25 @@ def test_articles_split_at_top_level_headings():
     articles = split_articles(WIKI)
     assert articles == [" \n = Bennet = \n \n Mr. Bennet 's estate , 3 @,@ 000 acres . \n \n", " = Darcy = \n \n Darcy 's pride . \n"]
     assert split_articles(" = = Only a section = = \n text \n") == [" = = Only a section = = \n text \n"]
+    assert split_documents(WIKI, "headings") == articles
+
+
+def test_lines_and_paragraphs_are_the_rows_of_the_datasets_text_loader(tmp_path):
+    # What lm-evaluation-harness reads from a plain file with `dataset_path: text` (sample_by line or paragraph).
+    import datasets
+
+    text = "First line.\nSecond line,\nstill the second paragraph.\n\n\nThird, after two empty lines.\n\nLast, no line break"
+    expected = {
+        "line": ["First line.", "Second line,", "still the second paragraph.", "", "", "Third, after two empty lines.", "", "Last, no line break"],
+        "paragraph": ["First line.\nSecond line,\nstill the second paragraph.", "\nThird, after two empty lines.", "Last, no line break"],
+    }
+    for ending in ("", "\n"):
+        path = tmp_path / f"text{len(ending)}.txt"
+        path.write_text(text + ending, encoding="utf-8")
+        for sample_by, rule in (("line", "lines"), ("paragraph", "paragraphs")):
+            rows = datasets.load_dataset("text", data_files=str(path), sample_by=sample_by, cache_dir=str(tmp_path / "cache"), split="train")["text"]
+            pieces = expected[sample_by] if not ending or sample_by == "line" else [*expected[sample_by][:-1], expected[sample_by][-1] + ending]
+            assert split_documents(text + ending, rule) == rows == pieces, (sample_by, ending)
 
 
 # --- Windows ---------------------------------------------------------------------------------------
@@ -241,7 +261,7 @@ def test_wikitext_adjusted_perplexity_uses_words_minus_one_counted_on_the_origin
     # lm-evaluation-harness's convention: per article, an end-of-text token first (so every token is scored),
     # non-overlapping windows; words and bytes of the original text.
     lm = result["lm_eval"]
-    assert lm["words"] == WIKI_LM_EVAL_WORDS and lm["bytes"] == len(WIKI.encode()) and lm["articles"] == 2
+    assert lm["words"] == WIKI_LM_EVAL_WORDS and lm["bytes"] == len(WIKI.encode()) and lm["documents"] == 2
     direct = 0.0
     for article in split_articles(WIKI):
         tokens = torch.tensor([tokenizer.eos_token_id, *tokenizer(wikitext_detokenize(article), add_special_tokens=False)["input_ids"]])
@@ -249,6 +269,22 @@ def test_wikitext_adjusted_perplexity_uses_words_minus_one_counted_on_the_origin
     assert lm["nll"] == pytest.approx(direct, rel=1e-5)
     assert lm["word_perplexity"] == pytest.approx(math.exp(direct / WIKI_LM_EVAL_WORDS), rel=1e-5)
     assert lm["bits_per_byte"] == pytest.approx(direct / len(WIKI.encode()) / math.log(2), rel=1e-5)
+
+
+def test_line_documents_are_scored_alone_and_counted_without_their_line_breaks(gpt2, tokenizer):
+    text = "".join(line + "\n" for line in CORPUS[:4])
+    lines = split_documents(text, "lines")
+    result = evaluate_wikitext_text(gpt2, tokenizer, text, seq_len=16, stride=16, detokenize=False, documents=lines)
+    lm = result["lm_eval"]
+    direct = 0.0
+    for line in lines:  # each line's first token after end-of-text; no line break scored
+        tokens = torch.tensor([tokenizer.eos_token_id, *tokenizer(line, add_special_tokens=False)["input_ids"]])
+        direct += direct_nll(gpt2, tokens, 16, 16)[0]
+    assert lm["documents"] == 4 and lm["bytes"] == len(text.encode()) - 4 and lm["words"] == sum(len(line.split()) for line in lines)
+    assert lm["nll"] == pytest.approx(direct, rel=1e-5)
+    # The whole text as one document (the headings rule on a text without headings) scores another sum.
+    whole = evaluate_wikitext_text(gpt2, tokenizer, text, seq_len=16, stride=16, detokenize=False)["lm_eval"]
+    assert whole["documents"] == 1 and whole["words"] == lm["words"] + 1 and abs(whole["nll"] - lm["nll"]) > 1.0
 
 
 # --- LAMBADA -----------------------------------------------------------------------------------------
@@ -337,6 +373,7 @@ def test_eval_wikitext_end_to_end(run_dir, loaded, data_files, tmp_path):
     assert result["checkpoint"].endswith("step_00000002/model.pt") and result["step"] == 2
     assert (result["seq_len"], result["stride"], result["words"], result["lm_eval"]["words"]) == (16, 4, WIKI_WORDS, WIKI_LM_EVAL_WORDS)
     assert result["data"] == str(data_files["wikitext"]) and result["detokenized"] is True
+    assert result["document_rule"] == "headings" and result["lm_eval"]["documents"] == 2 and result["text_field"] is None
 
     expected = evaluate_wikitext_text(loaded.model, loaded.tokenizer, WIKI, 16, 4)
     for key in ("tokens", "scored_tokens", "windows"):
@@ -350,6 +387,15 @@ def test_eval_wikitext_end_to_end(run_dir, loaded, data_files, tmp_path):
     capped = evaluate_wikitext(run_dir, str(data_files["wikitext"]), 100_000, 100_000, 8, detokenize=False)
     assert capped["seq_len"] == capped["n_positions"] == capped["stride"] == 1024 and capped["windows"] == 1
     assert capped["detokenized"] is False and capped["words"] == len(WIKI.split())
+    assert capped["document_rule"] == "lines" and capped["lm_eval"]["documents"] == WIKI.count("\n")  # --raw's default
+
+    # JSON lines: the documents of a field, the sliding-window pass over them joined (each ending a line).
+    pages = data_files["wikitext"].with_name("pages.jsonl")
+    pages.write_text("".join(json.dumps({"page": a}) + "\n" for a in split_articles(WIKI)), encoding="utf-8")
+    jsonl = evaluate_wikitext(run_dir, str(pages), 16, 4, 3, documents="jsonl", text_field="page")
+    assert (jsonl["document_rule"], jsonl["text_field"], jsonl["tokens"], jsonl["windows"]) == ("jsonl", "page", result["tokens"], result["windows"])
+    for key in ("word_perplexity", "bits_per_byte"):
+        assert jsonl["lm_eval"][key] == pytest.approx(result["lm_eval"][key], rel=1e-5)
 
 
 def test_eval_lambada_end_to_end(run_dir, loaded, data_files, tmp_path, monkeypatch, capsys):
@@ -401,7 +447,12 @@ def bert_dir(tmp_path_factory, tokenizer) -> Path:
 def test_bad_input_is_one_sentence_and_exit_code_2(run_dir, data_files, bert_dir, tmp_path, monkeypatch, capsys):
     bad_lines = tmp_path / "bad.jsonl"
     bad_lines.write_text('{"text": "a fine example"}\n{"sentence": "no text field here"}\n')
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    blank_texts = tmp_path / "blank.jsonl"
+    blank_texts.write_text('{"text": ""}\n{"text": " "}\n')
     wikitext, lambada = str(data_files["wikitext"]), str(data_files["lambada"])
+    jsonl = ["wikitext", "--checkpoint", str(run_dir), "--raw", "--documents", "jsonl", "--data"]
     cases = {
         "missing wikitext file": (["wikitext", "--checkpoint", str(run_dir), "--data", str(tmp_path / "wiki.test.tokens")], "does not exist"),
         "missing lambada file": (["lambada", "--checkpoint", str(run_dir), "--data", str(tmp_path / "nope.jsonl")], "does not exist"),
@@ -410,6 +461,16 @@ def test_bad_input_is_one_sentence_and_exit_code_2(run_dir, data_files, bert_dir
         "BERT for lambada": (["lambada", "--checkpoint", str(bert_dir), "--data", lambada], "holds a BERT model; this evaluation needs a GPT-2 model"),
         "missing checkpoint": (["lambada", "--checkpoint", str(tmp_path / "none"), "--data", lambada], "no such file or directory"),
         "zero stride": (["wikitext", "--checkpoint", str(run_dir), "--data", wikitext, "--stride", "0"], "--stride"),
+        "unknown document rule": (["wikitext", "--checkpoint", str(run_dir), "--data", wikitext, "--documents", "pages"], "--documents must be one of"),
+        "text field without jsonl": (["wikitext", "--checkpoint", str(run_dir), "--data", wikitext, "--text-field", "page"], "--text-field names"),
+        "jsonl without the field": ([*jsonl, lambada, "--text-field", "page"], "line 1 of " + lambada + ' is not a JSON object with a "page" string'),
+        "jsonl of no lines": ([*jsonl, str(empty)], "holds no JSON lines"),
+        "jsonl of no text": ([*jsonl, str(blank_texts)], 'holds no text in its "text" fields'),
+        "jsonl from the hub": ([*jsonl, "hub"], "--documents jsonl reads a local JSON-lines file"),
+        "wikitext not text": (
+            ["wikitext", "--checkpoint", str(run_dir), "--data", str(ROOT / "zoa_train" / "data" / "corpus" / "austen.txt.xz"), "--raw"],
+            "is not UTF-8 text",
+        ),
     }
     for name, (args, message) in cases.items():
         code, _, err = cli(monkeypatch, capsys, "eval", *args)

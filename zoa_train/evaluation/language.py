@@ -14,12 +14,14 @@ WikiText-103 (the protocol of Megatron-LM's and the GPT-2 paper's zero-shot eval
   count), so that models with different tokenizers compare on one scale.
 
   For comparison with lm-evaluation-harness's `wikitext` task, a second pass follows its
-  conventions: one document per article (the file split at its top-level ` = Title = ` headings),
-  each detokenized and tokenized alone, an end-of-text token before the first token (so every
-  token is scored), non-overlapping windows of `seq_len` predictions (its `loglikelihood_rolling`);
-  word_perplexity exp(NLL / words) with words as `re.split(r"\\s+", article)` counts them on the
-  original article, byte_perplexity exp(NLL / bytes) and bits_per_byte NLL / bytes / ln 2, bytes
-  of the original UTF-8 text.
+  conventions: the text cut into documents (`--documents`: WikiText articles, split at top-level
+  ` = Title = ` headings, as lm-eval's wikitext data has them; lines or paragraphs, as its `text`
+  loader reads a plain file; or JSON lines' text field), each detokenized (unless raw) and
+  tokenized alone, an end-of-text token before its first token (so every token is scored, and
+  nothing between documents), non-overlapping windows of `seq_len` predictions (its
+  `loglikelihood_rolling`); word_perplexity exp(NLL / words) with words as
+  `re.split(r"\\s+", document)` counts them on each original document, byte_perplexity
+  exp(NLL / bytes) and bits_per_byte NLL / bytes / ln 2, bytes of the original UTF-8 documents.
 
 LAMBADA (OpenAI's version, as lm-evaluation-harness's `lambada_openai`)
   JSON lines with a `text` field; the target is " " + the last word (all its tokens: the tokens of
@@ -103,6 +105,36 @@ def split_articles(original: str) -> list[str]:
     starts = [m.start() for m in _ARTICLE_TITLE.finditer(original)]
     cuts = [0, *starts[1:], len(original)]
     return [original[a:b] for a, b in zip(cuts, cuts[1:]) if original[a:b]]
+
+
+# What a document is for lm-evaluation-harness's pass: the harness scores each one alone. lines and
+# paragraphs are the rows Hugging Face datasets' `text` loader makes of a file (what the harness reads
+# with `dataset_path: text`, by default and with `sample_by: paragraph`); jsonl those of its `json` loader.
+DOCUMENT_RULES = {
+    "headings": "one document per WikiText article (a new one at each top-level ' = Title = ' line)",
+    "lines": "one document per line (empty lines too), as datasets' text loader reads a file",
+    "paragraphs": "one document per paragraph between empty lines, as datasets' text loader with sample_by=paragraph",
+    "jsonl": "one document per JSON line's text field",
+}
+
+
+def split_documents(text: str, rule: str) -> list[str]:
+    """`text` cut into documents under `rule` (see DOCUMENT_RULES; jsonl documents are read, not cut):
+    lines without their line break, an empty line an empty document (the harness scores nothing in it
+    and counts it one word); paragraphs the pieces between "\\n\\n", empty pieces dropped."""
+    if rule == "headings":
+        return split_articles(text)
+    if rule == "lines":
+        return text.removesuffix("\n").split("\n")
+    if rule == "paragraphs":
+        return [p for p in text.split("\n\n") if p]
+    raise ValueError(f"no document rule {rule!r} for a plain text")
+
+
+def joined_documents(documents: Sequence[str]) -> str:
+    """JSON-lines documents as one text for the sliding-window pass: each ending with a line break, so
+    that a document-level WikiText export (lm-eval's `page` field) joins back into its file."""
+    return "".join(d if d.endswith("\n") else d + "\n" for d in documents)
 
 
 # --- Windows and scoring -----------------------------------------------------------------------
@@ -233,9 +265,11 @@ def _exp(x: float) -> float:
 
 
 # --- WikiText --------------------------------------------------------------------------------------
-def wikitext_windows(tokenizer, original: str, seq_len: int, stride: int, detokenize: bool = True) -> tuple[list[Window], list[Window], dict]:
-    """The sliding windows of the paper's protocol, the windows of lm-evaluation-harness's convention,
-    and the counts both need (see the module's docstring)."""
+def wikitext_windows(
+    tokenizer, original: str, documents: Sequence[str], seq_len: int, stride: int, detokenize: bool = True
+) -> tuple[list[Window], list[Window], dict]:
+    """The sliding windows of the paper's protocol over `original`, the windows of lm-evaluation-harness's
+    convention over `documents`, and the counts both need (see the module's docstring)."""
     import torch
 
     tokens = encode(tokenizer, wikitext_detokenize(original) if detokenize else original)
@@ -244,24 +278,23 @@ def wikitext_windows(tokenizer, original: str, seq_len: int, stride: int, detoke
     eos = tokenizer.eos_token_id
     if eos is None:
         raise UserError("the model's tokenizer has no end-of-text token, which GPT-2's evaluation needs.")
-    articles = split_articles(original)
     lm_eval = []
-    for article in articles:
-        ids = encode(tokenizer, wikitext_detokenize(article) if detokenize else article)
+    for document in documents:  # each alone: its first token after end-of-text, nothing between documents scored
+        ids = encode(tokenizer, wikitext_detokenize(document) if detokenize else document)
         lm_eval += stream_windows(torch.cat([torch.tensor([eos]), ids]), seq_len, seq_len)
     counts = {
         "tokens": len(tokens),
         "words": megatron_word_count(original) if detokenize else len(original.split()),
-        "articles": len(articles),
-        "lm_eval_words": sum(lm_eval_word_count(a) for a in articles),
-        "bytes": len(original.encode("utf-8")),
+        "documents": len(documents),
+        "lm_eval_words": sum(lm_eval_word_count(d) for d in documents),
+        "lm_eval_bytes": sum(len(d.encode("utf-8")) for d in documents),
     }
     return stream_windows(tokens, seq_len, stride), lm_eval, counts
 
 
 def wikitext_metrics(paper: Sums, lm_eval: Sums, counts: dict) -> dict:
     """The reported numbers from the two passes' sums and the text's counts."""
-    words, lm_words, n_bytes = counts["words"], counts["lm_eval_words"], counts["bytes"]
+    words, lm_words, n_bytes = counts["words"], counts["lm_eval_words"], counts["lm_eval_bytes"]
     return {
         "token_perplexity": _exp(paper.nll / paper.tokens),
         "adjusted_perplexity": _exp(paper.nll / (words - 1)) if words > 1 else math.inf,
@@ -277,22 +310,37 @@ def wikitext_metrics(paper: Sums, lm_eval: Sums, counts: dict) -> dict:
             "windows": lm_eval.windows,
             "words": lm_words,
             "bytes": n_bytes,
-            "articles": counts["articles"],
+            "documents": counts["documents"],
         },
     }
 
 
-def evaluate_wikitext_text(model, tokenizer, original: str, seq_len: int, stride: int, batch_size: int = 8, detokenize: bool = True, device=None) -> dict:
-    """Both passes over `original` in this process (no ranks, no progress): the testable core of `eval wikitext`."""
-    paper, lm_eval, counts = wikitext_windows(tokenizer, original, seq_len, stride, detokenize)
+def evaluate_wikitext_text(
+    model,
+    tokenizer,
+    original: str,
+    seq_len: int,
+    stride: int,
+    batch_size: int = 8,
+    detokenize: bool = True,
+    device=None,
+    documents: Sequence[str] | None = None,
+) -> dict:
+    """Both passes over `original` in this process (no ranks, no progress): the testable core of `eval wikitext`;
+    `documents` default to `original`'s WikiText articles."""
+    documents = split_documents(original, "headings") if documents is None else documents
+    paper, lm_eval, counts = wikitext_windows(tokenizer, original, documents, seq_len, stride, detokenize)
     pad = tokenizer.eos_token_id or 0
     result = wikitext_metrics(score_windows(model, paper, batch_size, device, pad), score_windows(model, lm_eval, batch_size, device, pad), counts)
     return {**counts, **result}
 
 
-def read_wikitext(data: str) -> tuple[str, str]:
-    """The original text and a description of where it came from: a local file, or the hub's test split."""
+def read_wikitext(data: str, rule: str = "headings", text_field: str = "text") -> tuple[str, list[str], str]:
+    """The original text, its documents under `rule` and a description of where they came from: a local
+    file (plain text, or JSON lines with `text_field` for rule jsonl), or the hub's test split."""
     if data == HUB:
+        if rule == "jsonl":
+            raise UserError("--documents jsonl reads a local JSON-lines file; give it with --data, or another --documents rule for --data hub.")
         import datasets
 
         name, config = WIKITEXT_HUB
@@ -303,17 +351,50 @@ def read_wikitext(data: str) -> tuple[str, str]:
                 f"could not load the hub dataset {name} ({config}): {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; offline, give --data wiki.test.tokens."
             ) from None
         # The hub keeps the file's lines with their line breaks, and its blank lines (" \n" in the file) as "".
-        return "".join(line or " \n" for line in lines), f"hub:{name}/{config}/test"
+        text = "".join(line or " \n" for line in lines)
+        return text, split_documents(text, rule), f"hub:{name}/{config}/test"
+    if rule == "jsonl":
+        expected = f'JSON lines with a "{text_field}" string each (--text-field)'
+        documents = read_json_field(data, text_field, expected)
+        if not any(d.strip() for d in documents):
+            raise UserError(f'--data {data} holds no text in its "{text_field}" fields; give {expected}.')
+        return joined_documents(documents), documents, str(Path(data))
+    expected = "a WikiText test file such as wiki.test.tokens, or with --raw any UTF-8 text"
+    text = read_text_file(data, expected + ", or 'hub'")
+    if not text.strip():
+        raise UserError(f"--data {data} holds no text; give {expected}.")
+    return text, split_documents(text, rule), str(Path(data))
+
+
+def read_text_file(data: str, expected: str) -> str:
+    """The UTF-8 file `data` (line breaks as Python and datasets' loaders read them: \\r\\n and \\r as \\n);
+    `expected`, what the file should be, ends each refusal."""
     path = Path(data)
     if not path.is_file():
-        raise UserError(f"--data {data} does not exist; give a WikiText test file such as wiki.test.tokens, or 'hub'.")
+        raise UserError(f"--data {data} does not exist; give {expected}.")
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise UserError(f"--data {data} is not UTF-8 text; give a WikiText test file such as wiki.test.tokens.") from None
-    if not text.strip():
-        raise UserError(f"--data {data} holds no text; give a WikiText test file such as wiki.test.tokens.")
-    return text, str(path)
+        raise UserError(f"--data {data} is not UTF-8 text; give {expected}.") from None
+
+
+def read_json_field(data: str, field: str, expected: str) -> list[str]:
+    """The `field` string of each non-blank line of the JSON-lines file `data`."""
+    texts = []
+    for number, line in enumerate(read_text_file(data, expected).split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        text = record.get(field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise UserError(f'line {number} of {data} is not a JSON object with a "{field}" string; give {expected}.')
+        texts.append(text)
+    if not texts:
+        raise UserError(f"--data {data} holds no JSON lines; give {expected}.")
+    return texts
 
 
 # --- LAMBADA -----------------------------------------------------------------------------------------
@@ -374,31 +455,11 @@ def read_lambada(data: str) -> tuple[list[str], str]:
                 f"could not load the hub dataset {name} ({config}): {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}; offline, give --data lambada_test.jsonl."
             ) from None
         return list(texts), f"hub:{name}/{config}/test"
-    path = Path(data)
-    if not path.is_file():
-        raise UserError(f"--data {data} does not exist; give the LAMBADA test set as JSON lines with a \"text\" field, or 'hub'.")
-    texts = []
-    with path.open(encoding="utf-8", errors="strict") as f:
-        try:
-            lines = list(f)
-        except UnicodeDecodeError:
-            raise UserError(f'--data {data} is not UTF-8 text; give JSON lines with a "text" field.') from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            record = None
-        text = record.get("text") if isinstance(record, dict) else None
-        if not isinstance(text, str):
-            raise UserError(f'line {number} of {data} is not a JSON object with a "text" string, as LAMBADA\'s JSON lines are.')
+    texts = read_json_field(data, "text", "the LAMBADA test set as JSON lines with a \"text\" field, or 'hub'")
+    for number, text in enumerate(texts, 1):
         if " " not in text.strip():
-            raise UserError(f"line {number} of {data} has no context before its last word.")
-        texts.append(text)
-    if not texts:
-        raise UserError(f'--data {data} holds no examples; give JSON lines with a "text" field.')
-    return texts, str(path)
+            raise UserError(f"example {number} of {data} has no context before its last word.")
+    return texts, str(Path(data))
 
 
 # --- Ranks and progress ----------------------------------------------------------------------------
@@ -460,17 +521,32 @@ def _number(x: float) -> str:
 CHECKPOINT_HELP = "A run directory (its latest complete checkpoint), a checkpoint directory, a model file or a Hugging Face GPT-2 directory."
 
 
-def evaluate_wikitext(checkpoint: Path, data: str, seq_len: int, stride: int, batch_size: int, detokenize: bool = True) -> dict | None:
-    """`eval wikitext`'s result as a dict on rank 0 (None on the other ranks)."""
+def evaluate_wikitext(
+    checkpoint: Path,
+    data: str,
+    seq_len: int,
+    stride: int,
+    batch_size: int,
+    detokenize: bool = True,
+    documents: str | None = None,
+    text_field: str | None = None,
+) -> dict | None:
+    """`eval wikitext`'s result as a dict on rank 0 (None on the other ranks); `documents` None: headings,
+    or lines for raw text (`detokenize` False)."""
     if seq_len < 2 or stride < 1 or batch_size < 1:
         raise UserError("--seq-len must be at least 2, and --stride and --batch-size at least 1.")
+    rule = documents or ("headings" if detokenize else "lines")
+    if rule not in DOCUMENT_RULES:
+        raise UserError(f"--documents must be one of {', '.join(DOCUMENT_RULES)}, not {rule!r}.")
+    if text_field is not None and rule != "jsonl":
+        raise UserError(f"--text-field names the JSON field of --documents jsonl; --documents {rule} reads plain text.")
     started = time.perf_counter()
-    original, source = read_wikitext(data)
+    original, document_texts, source = read_wikitext(data, rule, text_field or "text")
     loaded = _load(checkpoint)
     n_positions = model_context(loaded.model)
     used_seq_len = min(seq_len, n_positions) if n_positions else seq_len
     used_stride = min(stride, used_seq_len)
-    paper, lm_eval, counts = wikitext_windows(loaded.tokenizer, original, used_seq_len, used_stride, detokenize)
+    paper, lm_eval, counts = wikitext_windows(loaded.tokenizer, original, document_texts, used_seq_len, used_stride, detokenize)
     from zoa_train.distributed import evaluation_ranks
 
     with evaluation_ranks() as ranks:
@@ -483,9 +559,11 @@ def evaluate_wikitext(checkpoint: Path, data: str, seq_len: int, stride: int, ba
         world = ranks.world
     return {
         "protocol": "WikiText-103 zero-shot perplexity, overlapping windows (Megatron-LM / GPT-2 protocol)",
-        "lm_eval_protocol": "lm-evaluation-harness wikitext: one document per article, end-of-text prefix, non-overlapping windows",
+        "lm_eval_protocol": f"lm-evaluation-harness wikitext (loglikelihood_rolling): {DOCUMENT_RULES[rule]}, each alone after an end-of-text token, non-overlapping windows",
         **_described(loaded, source),
         "detokenized": detokenize,
+        "document_rule": rule,
+        "text_field": (text_field or "text") if rule == "jsonl" else None,
         "seq_len": used_seq_len,
         "stride": used_stride,
         "requested_seq_len": seq_len,
@@ -503,7 +581,7 @@ def wikitext_command(
     data: Annotated[
         str,
         typer.Option(
-            help="WikiText-103's word-level test file (wiki.test.tokens as distributed), or 'hub' for the hub's wikitext-103-raw-v1 test split (online). [default: hub]",
+            help="WikiText-103's word-level test file (wiki.test.tokens as distributed), with --raw any UTF-8 text, with --documents jsonl JSON lines; or 'hub' for the hub's wikitext-103-raw-v1 test split (online). [default: hub]",
             show_default=False,
         ),
     ] = HUB,
@@ -519,6 +597,21 @@ def wikitext_command(
     raw: Annotated[
         bool, typer.Option("--raw", help="The file is ordinary text: no WikiText detokenization, words are its whitespace-separated words.")
     ] = False,
+    documents: Annotated[
+        str | None,
+        typer.Option(
+            help="What a document is for the lm-eval pass, which scores each alone (its first token after end-of-text, nothing between documents): "
+            "headings (a new one at each top-level ' = Title = ' line: WikiText's articles, as lm-eval's wikitext task has them), "
+            "lines (each line, empty ones too: what lm-eval reads from a plain file with dataset_path text), "
+            "paragraphs (the pieces between empty lines: dataset_path text, sample_by paragraph), "
+            "jsonl (each JSON line's --text-field: dataset_path json). [default: headings; with --raw: lines]",
+            show_default=False,
+        ),
+    ] = None,
+    text_field: Annotated[
+        str | None,
+        typer.Option(help="The field holding each document with --documents jsonl (lm-eval's wikitext data: page). [default: text]", show_default=False),
+    ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.", show_default=False)] = None,
 ) -> None:
     """Zero-shot WikiText-103 perplexity of a GPT-2 model: token and adjusted (word-level) perplexity with overlapping windows, and lm-evaluation-harness's word_perplexity and bits_per_byte; split over the ranks under torchrun or srun."""
@@ -526,7 +619,7 @@ def wikitext_command(
 
     from zoa_train import console as zoa_console
 
-    result = evaluate_wikitext(checkpoint, data, seq_len, stride, batch_size, detokenize=not raw)
+    result = evaluate_wikitext(checkpoint, data, seq_len, stride, batch_size, detokenize=not raw, documents=documents, text_field=text_field)
     if result is None:
         return
     _write_json(json_out, result)
@@ -539,7 +632,7 @@ def wikitext_command(
     table.add_row(f"sliding windows ({windows})", "token perplexity", _number(result["token_perplexity"]))
     table.add_row("", f"adjusted perplexity ({result['words']:,} words)", _number(result["adjusted_perplexity"]))
     table.add_row(f"lm-eval (non-overlapping, {result['seq_len']})", f"word_perplexity ({lm['words']:,} words)", _number(lm["word_perplexity"]))
-    table.add_row("", "byte_perplexity", _number(lm["byte_perplexity"]))
+    table.add_row(f"{lm['documents']:,} documents ({result['document_rule']})", "byte_perplexity", _number(lm["byte_perplexity"]))
     table.add_row("", f"bits_per_byte ({lm['bytes']:,} bytes)", f"{lm['bits_per_byte']:.4f}")
     console = zoa_console.out
     console.print(table)
