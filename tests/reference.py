@@ -89,16 +89,17 @@ def zero_one_adam_reference(x0, grad_fn, world_size, steps, lr_fn, schedule, bet
 class ExactAllReduce:
     """A collective (zoa_train.comm.protocol) that averages exactly, in fp32, with the tensors back to
     back: passed as an optimizer's `collective`, it leaves the optimizer's own algebra to be checked
-    against Algorithm 1 without compression noise."""
+    against Algorithm 1 without compression noise (and as the node-aware sync's `inter`, given its
+    shards' `layouts`, that sync's composition)."""
 
-    def __init__(self, sizes, *, group=None, device=None, ledger=None):
+    def __init__(self, sizes, *, group=None, device=None, ledger=None, layouts=None):
         self.group = group
-        self.layouts = [onebit_layout(s, 1) for s in sizes]
+        self.layouts = layouts if layouts is not None else [onebit_layout(s, 1) for s in sizes]
         self.accumulators = [torch.zeros(l.padded, device=device) for l in self.layouts]
 
-    def exchange(self, out):
-        for o, acc in zip(out, self.accumulators):
-            o.copy_(acc)
+    def exchange(self, out, addend=None):
+        for o, acc, a in zip(out, self.accumulators, addend if addend is not None else [None] * len(out)):
+            torch.add(acc, a, out=o) if a is not None else o.copy_(acc)
             dist.all_reduce(o, group=self.group)
             o.div_(dist.get_world_size(self.group))
             acc.zero_()

@@ -19,6 +19,7 @@ from typing import Literal
 import yaml
 
 from zoa_train import checks
+from zoa_train.comm.topology import TOPOLOGIES
 from zoa_train.errors import UserError
 from zoa_train.models.builders import MODEL_PRESETS, ModelConfig, model_shape
 from zoa_train.optim import LRSchedule, registry
@@ -109,6 +110,14 @@ class TrainConfig:
 
 
 @dataclass
+class CommConfig:
+    # How the 1-bit optimizers' sync uses the cluster (docs/algorithm.md, "Node-aware sync"): auto is
+    # hierarchical on several nodes of several ranks each, all of one size, flat otherwise.
+    topology: Literal[TOPOLOGIES] = "auto"
+    ranks_per_node: int = 0  # 0: nodes found by hostname; G: ranks r*G..r*G+G-1 are node r (emulated nodes)
+
+
+@dataclass
 class LoggingConfig:
     wandb: Literal["offline", "online", "disabled"] = "offline"
     tensorboard: bool = True
@@ -122,6 +131,7 @@ class Recipe:
     optimizer: OptimizerConfig = field(default_factory=lambda: optimizer_section()())
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Python modules imported before the rest of the recipe is read, by every process that reads it:
     # they register optimizers of your own (zoa_train.optim.registry.register; docs/optimizers.md).
@@ -301,6 +311,7 @@ CHECKS: dict[str, checks.Check] = {
     "model.n_layer": checks.unset_or(checks.positive),
     "model.n_embd": checks.unset_or(checks.positive),
     "model.n_head": checks.unset_or(checks.positive),
+    "comm.ranks_per_node": checks.non_negative,
 }
 
 

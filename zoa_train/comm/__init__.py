@@ -1,17 +1,21 @@
-"""1-bit packing, the error-compensated 1-bit allreduce, full-precision collectives and their ledger."""
+"""1-bit packing, the error-compensated 1-bit allreduce (flat and node-aware), full-precision collectives and their ledger."""
 
 from zoa_train.comm.collectives import allreduce, default_ledger, group_size_rank, ring_allreduce_bytes
+from zoa_train.comm.hierarchical import ClusterCollective, HierarchicalOneBitAllReduce
 from zoa_train.comm.ledger import CommLedger, StepComm
-from zoa_train.comm.onebit import OneBitAllReduce, onebit_layout
+from zoa_train.comm.onebit import OneBitAllReduce, TopologyChanged, onebit_layout
 from zoa_train.comm.packing import pack_signs, sign_table, unpack_signs
 from zoa_train.comm.protocol import Collective, CollectiveFactory
 
 __all__ = [
+    "ClusterCollective",
     "Collective",
     "CollectiveFactory",
     "CommLedger",
+    "HierarchicalOneBitAllReduce",
     "OneBitAllReduce",
     "StepComm",
+    "TopologyChanged",
     "allreduce",
     "default_ledger",
     "onebit_layout",

@@ -165,9 +165,12 @@ def onebit_buffers(
     (one), the per-block scratch `_flags`, `_flag_bytes`, `_words`, `_index` and `_tables`, and the
     per-row `_server_coef`. Inactive (one rank or no elements): worker buffers of numel and all
     others empty."""
-    layouts = [onebit_layout(s, world_size, scale_row) for s in _buffer_sizes(sizes)]
+    return _allocations([onebit_layout(s, world_size, scale_row) for s in _buffer_sizes(sizes)], world_size, torch.device(device), block_size)
+
+
+def _allocations(layouts: Sequence[OneBitLayout], world_size: int, device: torch.device, block_size: int | None) -> dict[str, tuple[int, torch.dtype]]:
     active = [l for l in layouts if l.active]
-    n, device = world_size, torch.device(device)
+    n = world_size
     default = block_elements(active, device)
     block = max((world_size * l.row * _block_rows(l, device, block_size, default) for l in active), default=0)
     segment = sum(l.segment for l in active)
@@ -257,7 +260,8 @@ class OneBitAllReduce:
     unchanged and sends nothing, and `exchange` returns the accumulator exactly. `block_size`
     (elements per step of a pass; default 512K on CPU, the whole buffer up to 128M elsewhere)
     changes speed and scratch memory, never results; `scale_row` is part of the wire format and
-    must be the same on every rank.
+    must be the same on every rank. `layouts` (instead of `sizes`): buffers already laid out for
+    this group's size, such as the node-aware sync's shards (zoa_train/comm/hierarchical.py).
     """
 
     def __init__(
@@ -268,6 +272,7 @@ class OneBitAllReduce:
         ledger: CommLedger | None = None,
         block_size: int | None = None,
         scale_row: int = SCALE_ROW,
+        layouts: Sequence[OneBitLayout] | None = None,
     ):
         self.group = group
         self.world_size, self.rank = group_size_rank(group)
@@ -276,10 +281,13 @@ class OneBitAllReduce:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.ledger = ledger if ledger is not None else default_ledger()
         self.scale_row = scale_row
-        buffers = _buffer_sizes(sizes)
-        self.layouts = [onebit_layout(s, self.world_size, scale_row) for s in buffers]
+        if layouts is None:
+            layouts = [onebit_layout(s, self.world_size, scale_row) for s in _buffer_sizes(sizes)]
+        elif any(l.active and l.padded != self.world_size * l.chunk for l in layouts):
+            raise ValueError(f"these layouts are not cut into {self.world_size} chunks, one per rank of the group")
+        self.layouts = list(layouts)
         self.numel = sum(l.numel for l in self.layouts)
-        for name, (size, dtype) in onebit_buffers(buffers, self.world_size, self.device, block_size, scale_row).items():
+        for name, (size, dtype) in _allocations(self.layouts, self.world_size, self.device, block_size).items():
             setattr(self, name, torch.zeros(size, dtype=dtype, device=self.device))
         self._accumulators = list(self._worker.split([l.padded for l in self.layouts]))
         self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see _laid_out
@@ -519,6 +527,7 @@ class OneBitAllReduce:
             chunk = layout.chunk if layout.active else 0
             states.append(
                 {
+                    "topology": "flat",
                     "numel": layout.numel,
                     "world_size": self.world_size,
                     "layout": (layout.offsets, layout.padded, layout.row),
@@ -534,6 +543,7 @@ class OneBitAllReduce:
             raise ValueError(f"1-bit allreduce state is for {len(states)} buffers, this one has {len(self.layouts)}")
         server = 0
         for layout, accumulator, state in zip(self.layouts, self._accumulators, states):
+            check_topology(state, "flat")
             if state["world_size"] != self.world_size or state["numel"] != layout.numel:
                 raise ValueError(
                     f"1-bit allreduce state is for {state['numel']} elements on {state['world_size']} ranks, "
@@ -552,21 +562,9 @@ class OneBitAllReduce:
         return [{"world_size": self.world_size, "offsets": list(l.offsets), "padded": l.padded} for l in self.layouts]
 
     def relayout(self, flat: torch.Tensor, index: int, saved: dict) -> torch.Tensor:
-        """Buffer `index` as saved in another layout (`saved`: an entry of `layout_state()` of that
-        run, or of a checkpoint from before it was saved, just {"world_size", "padded"}) laid out anew
-        in this one: each tensor moved to its offset here, padding zero. For --reshard: the error
-        buffers themselves are not carried over (they start at zero, as built)."""
-        layout = self.layouts[index]
-        old = saved if "offsets" in saved else onebit_layout(layout.sizes, saved["world_size"], self.scale_row)._asdict()
-        offsets = old["offsets"]
-        if not flat.numel() == saved["padded"] == old["padded"] or len(offsets) != len(layout.sizes):
-            raise ValueError(
-                f"a buffer of {flat.numel()} elements saved on {saved['world_size']} ranks is not in a 1-bit layout of these {len(layout.sizes)} tensors"
-            )
-        out = torch.zeros(layout.padded, dtype=flat.dtype)  # padding stays zero, as the optimizers keep it
-        for size, old, new in zip(layout.sizes, offsets, layout.offsets):
-            out[new : new + size] = flat[old : old + size]
-        return out
+        """Buffer `index` as saved in another layout (an entry of `layout_state()` of that run), laid
+        out anew in this one (see `relayout`)."""
+        return relayout(flat, self.layouts[index], saved, self.scale_row)
 
     def state_dict(self) -> dict:
         """The state of the only buffer (see `state_dicts`)."""
@@ -574,3 +572,43 @@ class OneBitAllReduce:
 
     def load_state_dict(self, state: dict) -> None:
         self.load_state_dicts([state])
+
+
+def relayout(flat: torch.Tensor, layout: OneBitLayout, saved: dict, scale_row: int = SCALE_ROW) -> torch.Tensor:
+    """A buffer saved in another layout of the same tensors (`saved`: an entry of a collective's
+    `layout_state()` in that run, or of a checkpoint from before it was saved, just {"world_size",
+    "padded"}) laid out anew in `layout`: each tensor moved to its offset here, padding zero. For
+    --reshard: the error buffers themselves are not carried over (they start at zero, as built)."""
+    old = saved if "offsets" in saved else onebit_layout(layout.sizes, saved["world_size"], scale_row)._asdict()
+    offsets = old["offsets"]
+    if not flat.numel() == saved["padded"] == old["padded"] or len(offsets) != len(layout.sizes):
+        raise ValueError(
+            f"a buffer of {flat.numel()} elements saved on {saved['world_size']} ranks is not in a 1-bit layout of these {len(layout.sizes)} tensors"
+        )
+    out = torch.zeros(layout.padded, dtype=flat.dtype)  # padding stays zero, as the optimizers keep it
+    for size, old_offset, new_offset in zip(layout.sizes, offsets, layout.offsets):
+        out[new_offset : new_offset + size] = flat[old_offset : old_offset + size]
+    return out
+
+
+class TopologyChanged(ValueError):
+    """The error buffers were saved by a collective of another topology (flat, or node-aware over
+    another shape): their layouts differ, so they cannot be resumed; --reshard restarts them at zero."""
+
+
+def describe_topology(topology) -> str:
+    """'flat', or 'hierarchical (N nodes x G ranks)' for a saved topology entry."""
+    if topology == "flat":
+        return "flat 1-bit sync"
+    return f"node-aware 1-bit sync over {topology['nodes']} nodes x {topology['ranks_per_node']} ranks"
+
+
+def check_topology(state: dict, expected) -> None:
+    """Refuse a collective's saved state whose topology is not `expected` (states saved before
+    topologies existed are flat)."""
+    saved = state.get("topology", "flat")
+    if saved != expected:
+        raise TopologyChanged(
+            f"its 1-bit error buffers were saved by the {describe_topology(saved)} and this run uses the {describe_topology(expected)}; "
+            "resume with the same comm.topology and node layout, or pass --reshard to continue with the error buffers at zero"
+        )

@@ -4,9 +4,11 @@ OneBitAdam and ZeroOneAdam take their collective as an argument, `collective=`, 
 at construction as `collective(sizes, group=..., device=..., ledger=...)`, where `sizes` holds the
 tensor sizes of each parameter group. OneBitAllReduce (the flat two-pass 1-bit allreduce) is the
 default, and is itself such a factory; `functools.partial(OneBitAllReduce, scale_row=1024)` changes
-its scale rows, and a test can pass an exact (full-precision) average to check the optimizers'
-algebra alone. The optimizers keep their own flat state in the collective's layouts, accumulate
-into its accumulators and save its state per rank, so a collective needs nothing else from them.
+its scale rows, HierarchicalOneBitAllReduce (zoa_train/comm/hierarchical.py, with its node groups
+bound by functools.partial) averages inside each node in full precision and compresses only between
+nodes, and a test can pass an exact (full-precision) average to check the optimizers' algebra
+alone. The optimizers keep their own flat state in the collective's layouts, accumulate into its
+accumulators and save its state per rank, so a collective needs nothing else from them.
 """
 
 from collections.abc import Sequence

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from zoa_train.comm import ClusterCollective, TopologyChanged
 from zoa_train.config import Recipe, check_batch_layout, recipe_from_dict
 from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import STOP_SIGNALS, init_process_group, restart_count, threads_per_rank
@@ -149,7 +150,7 @@ def rank_seed(seed: int, rank: int) -> int:
 
 class Trainer:
     def __init__(self, recipe: Recipe, run_dir: Path, resume: str | None = None, overwrite: bool = False, reshard: bool = False):
-        self.recipe = recipe
+        self.recipe, self.reshard = recipe, reshard
         t = recipe.train
         self.device = init_process_group(None if t.backend == "auto" else t.backend, timeout_s=t.timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -175,7 +176,15 @@ class Trainer:
         # From here on each rank draws its own dropout masks (the same masks on every rank would
         # correlate the ranks' gradients); the RNG states are in the checkpoint, so resume is exact.
         torch.manual_seed(rank_seed(t.seed, self.rank))
-        self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world)
+        # bf16 full-precision rounds: the node-aware sync's reduce-scatter inside the node in bf16 too;
+        # fp16 would need the scale that flat fp16 rounds take, so it (and fp32) stays fp32 there.
+        intra_dtype = torch.bfloat16 if recipe.optimizer.allreduce_dtype == "bf16" else torch.float32
+        sync = ClusterCollective(recipe.comm.topology, recipe.comm.ranks_per_node, intra_dtype)
+        self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync)
+        if sync.chosen and self.is_main:
+            log.info("%s", sync.chosen)
+            if sync.fell_back:
+                log.warning("comm.topology auto: the nodes have unequal numbers of ranks, so the 1-bit sync is flat")
         self._warn_about_the_plan(recipe)
         self.ledger = self.opt.ledger
         self.scheduler = recipe.lr_schedule().scheduler(self.opt.optimizer)
@@ -275,6 +284,8 @@ class Trainer:
                     "bits_per_param": self.ledger.average_bits_per_param,
                     "rounds": self.ledger.rounds,
                     "bytes_sent": self.ledger.bytes_sent,
+                    "intra_bits_per_param": self.ledger.average_intra_bits_per_param,
+                    "intra_bytes_sent": self.ledger.intra_bytes_sent,
                     "variance_updates": self.opt.variance_updates,
                     "step_kinds": step_kinds,
                 }
@@ -407,20 +418,26 @@ class Trainer:
         if "model" in mine and not resharded:
             self._load_model(path, mine["model"])
         try:
+            if not resharded:
+                try:
+                    self.opt.load_state_dicts(load(path, "optimizer.pt"), mine["optimizer"])
+                except TopologyChanged:  # another comm.topology or node layout: only --reshard continues
+                    if not self.reshard:
+                        raise
+                    resharded = True
             if resharded:  # refuses a checkpoint inside a local-step period (rank files then hold their own models)
                 self.opt.load_resharded(load(path, "optimizer.pt"))
-            else:
-                self.opt.load_state_dicts(load(path, "optimizer.pt"), mine["optimizer"])
-        except (ValueError, KeyError) as e:  # another optimizer, model size or 1-bit layout
+        except (ValueError, KeyError) as e:  # another optimizer, model size, 1-bit layout or topology
             raise UserError(f"cannot resume from {path}: {e}.") from None
         if resharded:
             if self.is_main:
                 log.warning(
-                    "resharding %s from %d to %d ranks: parameters, momentum and variance carry over, the 1-bit error "
+                    "resharding %s from %d to %d ranks%s: parameters, momentum and variance carry over, the 1-bit error "
                     "buffers start at zero and the data continue at the same sample of the same epoch order",
                     path,
                     saved_world,
                     self.world,
+                    "" if saved_world != self.world else " (another 1-bit sync topology)",
                 )
             mine["loader"] = reshard_position(mine["loader"], self.world)
         self.batches.load_state_dict(mine["loader"])

@@ -1,0 +1,282 @@
+"""Node-aware 1-bit allreduce: full precision inside a node, 1-bit error-compensated between nodes.
+
+A flat 1-bit allreduce has every rank's signs cross the slow link between nodes, so a node of G
+ranks sends G times what it must (DeepSpeed's 1-bit optimizers work that way). Here, on N nodes of
+G ranks (docs/algorithm.md, "Node-aware sync"):
+  1. inside the node, a full-precision reduce-scatter: local rank g holds the node's average of
+     shard g (1/G of each buffer, in `intra_dtype`, summed in fp32);
+  2. between nodes, the flat two-pass 1-bit allreduce (OneBitAllReduce) of that shard among the N
+     ranks of local rank g, one per node, with its error buffers: the worker error covers the shard
+     (1/G of the buffer), the server error 1/(G*N);
+  3. inside the node, an fp32 all-gather of the shards.
+Every rank ends with the same average: each shard is averaged once, by the ranks that own it,
+and copied to the others. A buffer's layout is the flat layout on G*N ranks, so its shards are
+whole chunks, its scale rows still follow the tensors, and optimizer state in it is the same as
+under the flat collective at that world size. With G = 1 this is the flat allreduce, bit for bit;
+with N = 1 it is the exact average (no compression).
+"""
+
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zoa_train.comm.collectives import default_ledger, group_size_rank, ring_allreduce_bytes
+from zoa_train.comm.ledger import CommLedger
+from zoa_train.comm.onebit import SCALE_ROW, OneBitAllReduce, OneBitLayout, _buffer_sizes, _group_device, check_topology, onebit_layout, relayout
+from zoa_train.comm.topology import NodeGroups, choose, describe, discover_nodes, node_groups
+
+# torch 2.14 names these *_single and deprecates the *_tensor names; older releases have only those.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def shard_layout(layout: OneBitLayout, index: int, parts: int) -> OneBitLayout:
+    """Chunks index*k..(index+1)*k of `layout` (k = its chunks / parts), as a layout of its own for k
+    ranks: the tensors cut to the shard, rows and their lengths unchanged."""
+    k = layout.padded // layout.chunk // parts
+    start, end = index * k * layout.chunk, (index + 1) * k * layout.chunk
+    sizes, offsets = [], []
+    for offset, size in zip(layout.offsets, layout.sizes):
+        first, last = max(offset, start), min(offset + size, end)
+        if last > first:
+            sizes.append(last - first)
+            offsets.append(first - start)
+    return OneBitLayout(tuple(sizes), tuple(offsets), k * layout.chunk, layout.chunk, layout.rows, layout.row, layout.segment)
+
+
+class HierarchicalOneBitAllReduce:
+    """A Collective (zoa_train/comm/protocol.py) that averages flat buffers over `nodes` (a NodeGroups
+    of the world: zoa_train.comm.topology.node_groups): full precision inside each node, 1-bit
+    error-compensated between nodes. A factory for the optimizers is
+    `functools.partial(HierarchicalOneBitAllReduce, nodes=node_groups(...))`.
+
+    `intra_dtype`: what the reduce-scatter inside the node sends (fp32 or bf16; the sum is fp32); the
+    all-gather is fp32, so every rank holds the shard owners' exact values. `block_size` and
+    `scale_row` are the flat allreduce's. `inter`: the collective between nodes (default
+    OneBitAllReduce), called as `inter(None, group=, device=, ledger=, layouts=)` with the shards'
+    layouts; a test passes an exact one to check the composition alone. The accumulators are a buffer of their own (the error lives
+    in the shard's flat allreduce), empty between calls.
+    """
+
+    def __init__(
+        self,
+        sizes,
+        group=None,
+        device: torch.device | str | None = None,
+        ledger: CommLedger | None = None,
+        *,
+        nodes: NodeGroups,
+        intra_dtype: torch.dtype = torch.float32,
+        block_size: int | None = None,
+        scale_row: int = SCALE_ROW,
+        inter=None,
+    ):
+        self.world_size, self.rank = group_size_rank(group)
+        if self.world_size != nodes.world_size:
+            raise ValueError(f"the node groups span {nodes.world_size} ranks and the process group {self.world_size}")
+        if intra_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"intra_dtype must be torch.float32 or torch.bfloat16, got {intra_dtype}")
+        self.nodes, self.intra_dtype, self.scale_row = nodes, intra_dtype, scale_row
+        self.device = torch.device(device) if device is not None else _group_device(group)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.ledger = ledger if ledger is not None else default_ledger()
+        self.layouts = [onebit_layout(s, self.world_size, scale_row) for s in _buffer_sizes(sizes)]
+        self.numel = sum(l.numel for l in self.layouts)
+        n, g = nodes.nodes, nodes.ranks_per_node
+        self._shards = [n * l.chunk if l.active else 0 for l in self.layouts]  # elements of each buffer's shard
+        self._shard_total = sum(self._shards)
+        self._pending = torch.zeros(sum(l.padded for l in self.layouts), device=self.device)
+        self._accumulators = list(self._pending.split([l.padded for l in self.layouts]))
+        if g > 1:
+            self._send = torch.zeros(g * self._shard_total, dtype=intra_dtype, device=self.device)  # ordered by destination
+            self._received = torch.zeros(self._shard_total, dtype=intra_dtype, device=self.device) if intra_dtype != torch.float32 else None
+            self._shard = torch.zeros(self._shard_total, device=self.device)  # this rank's shard of every buffer
+            self._gathered = torch.zeros(g * self._shard_total, device=self.device)  # ordered by source
+        active = [l for l in self.layouts if l.active]
+        self._inter = None
+        if n > 1 and active:
+            shards = [shard_layout(l, nodes.local_rank, g) for l in active]
+            inter = inter or functools.partial(OneBitAllReduce, block_size=block_size, scale_row=scale_row)
+            self._inter = inter(None, group=nodes.inter, device=self.device, ledger=self.ledger, layouts=shards)
+
+    @property
+    def accumulators(self) -> list[torch.Tensor]:
+        """Per buffer, a buffer in its layout that the next `exchange()` averages; adding into it
+        between calls is the same as passing the sum to `op`. Its padding must stay zero."""
+        return self._accumulators
+
+    @property
+    def bytes_per_call(self) -> int:
+        """Bytes this rank sends between nodes in one call."""
+        return self._inter.bytes_per_call if self._inter is not None else 0
+
+    @property
+    def intra_bytes_per_call(self) -> int:
+        """Bytes this rank sends inside its node in one call: the reduce-scatter and the all-gather."""
+        g = self.nodes.ranks_per_node
+        if g < 2:
+            return 0
+        element = torch.finfo(self.intra_dtype).bits // 8
+        return ring_allreduce_bytes(g * self._shard_total, element + 4, g) // 2
+
+    def op(self, tensor: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+        """Average buffers in their layouts (`layout.padded` elements each) in place and return them."""
+        tensors = self._per_buffer(tensor)
+        for t, layout in zip(tensors, self.layouts):
+            if t.numel() != layout.padded or not t.is_contiguous():
+                raise ValueError(f"HierarchicalOneBitAllReduce.op takes contiguous buffers in its layout ({layout.padded} elements), got {t.numel()}")
+        if self.world_size > 1:
+            flat = [t.view(-1) for t in tensors]
+            self.exchange(out=flat, addend=flat)
+        return tensor
+
+    def _per_buffer(self, tensors) -> list[torch.Tensor]:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if len(tensors) != len(self.layouts):
+            raise ValueError(f"this HierarchicalOneBitAllReduce has {len(self.layouts)} buffers, got {len(tensors)} tensors")
+        for t in tensors:
+            if t.device != self.device:
+                raise ValueError(f"HierarchicalOneBitAllReduce's buffers are on {self.device}, got a tensor on {t.device}")
+        return tensors
+
+    def exchange(self, out, addend=None):
+        """Average accumulator (+ addend) of every buffer into `out` (buffers in the layouts; their
+        padding is zero afterwards), empty the accumulators, and return `out`."""
+        outs = self._per_buffer(out)
+        addends = self._per_buffer(addend) if addend is not None else [None] * len(outs)
+        for acc, a in zip(self._accumulators, addends):
+            if a is not None:
+                acc.add_(a)
+        g = self.nodes.ranks_per_node
+        if self.world_size < 2:
+            for acc, o in zip(self._accumulators, outs):
+                o.copy_(acc)
+            self._pending.zero_()
+            return out
+        shards = self._reduce_inside_node() if g > 1 else [acc for acc, size in zip(self._accumulators, self._shards) if size]
+        if self._inter is not None:
+            self._inter.exchange(out=shards, addend=shards)  # the shard's average over the nodes, in place
+        if g > 1:
+            self._pending.zero_()
+            self._gather_inside_node(outs)
+        else:
+            for o, acc in zip(outs, self._accumulators):
+                o.copy_(acc)
+            self._pending.zero_()
+        return out
+
+    def _pieces(self, flat: torch.Tensor):
+        """(buffer, its (G, shard) view in a (G, all shards) tensor `flat`) for every active buffer."""
+        g, column = self.nodes.ranks_per_node, 0
+        grid = flat.view(g, self._shard_total)
+        for index, size in enumerate(self._shards):
+            if size:
+                yield index, grid[:, column : column + size]
+                column += size
+
+    def _reduce_inside_node(self) -> list[torch.Tensor]:
+        """The node's average of this rank's shard of every buffer (views of `_shard`)."""
+        g = self.nodes.ranks_per_node
+        for index, piece in self._pieces(self._send):
+            piece.copy_(self._accumulators[index].view(g, -1))
+        received = self._received if self._received is not None else self._shard
+        _reduce_scatter(received, self._send, group=self.nodes.intra)
+        if received is not self._shard:
+            self._shard.copy_(received)
+        self._shard.mul_(1.0 / g)
+        bits = torch.finfo(self.intra_dtype).bits
+        self.ledger.record(
+            f"intra_reduce_scatter_{str(self.intra_dtype).removeprefix('torch.')}",
+            payload_bits=bits,
+            elements=self.numel,
+            bytes_sent=ring_allreduce_bytes(self._send.numel(), bits // 8, g) // 2,
+            link="intra",
+        )
+        return list(self._shard.split([size for size in self._shards if size]))
+
+    def _gather_inside_node(self, outs: list[torch.Tensor]) -> None:
+        g = self.nodes.ranks_per_node
+        _all_gather(self._gathered, self._shard, group=self.nodes.intra)
+        for index, piece in self._pieces(self._gathered):
+            outs[index].view(g, -1).copy_(piece)
+        for o, size in zip(outs, self._shards):
+            if not size:  # an inactive buffer (no elements) has nothing to average
+                o.zero_()
+        self.ledger.record(
+            "intra_all_gather_float32", payload_bits=32, elements=self.numel, bytes_sent=ring_allreduce_bytes(self._gathered.numel(), 4, g) // 2, link="intra"
+        )
+
+    def _topology(self) -> dict:
+        return {"nodes": self.nodes.nodes, "ranks_per_node": self.nodes.ranks_per_node, "local_rank": self.nodes.local_rank}
+
+    def state_dicts(self) -> list[dict]:
+        """One state per buffer: the shard's error buffers (flat allreduce state) and anything added
+        to the accumulator since the last call (None when empty, as it is between optimizer steps)."""
+        inner = iter(self._inter.state_dicts()) if self._inter is not None else None
+        states = []
+        for layout, accumulator in zip(self.layouts, self._accumulators):
+            states.append(
+                {
+                    "topology": self._topology(),
+                    "numel": layout.numel,
+                    "world_size": self.world_size,
+                    "layout": (layout.offsets, layout.padded, layout.row),
+                    "pending": accumulator.clone() if accumulator.any() else None,
+                    "shard": next(inner) if inner is not None and layout.active else None,
+                }
+            )
+        return states
+
+    def load_state_dicts(self, states: list[dict]) -> None:
+        if len(states) != len(self.layouts):
+            raise ValueError(f"1-bit allreduce state is for {len(states)} buffers, this one has {len(self.layouts)}")
+        shard_states = []
+        for layout, accumulator, state in zip(self.layouts, self._accumulators, states):
+            check_topology(state, self._topology())
+            if state["numel"] != layout.numel or state["layout"] != (layout.offsets, layout.padded, layout.row):
+                raise ValueError("1-bit allreduce state was saved with another layout; it cannot be resumed here")
+            accumulator.copy_(state["pending"]) if state["pending"] is not None else accumulator.zero_()
+            if state["shard"] is not None:
+                shard_states.append(state["shard"])
+        if self._inter is not None:
+            self._inter.load_state_dicts(shard_states)
+
+    def layout_state(self) -> list[dict]:
+        """Where each buffer's tensors lie (see OneBitAllReduce.layout_state)."""
+        return [{"world_size": self.world_size, "offsets": list(l.offsets), "padded": l.padded} for l in self.layouts]
+
+    def relayout(self, flat: torch.Tensor, index: int, saved: dict) -> torch.Tensor:
+        """Buffer `index` saved in another layout, laid out anew in this one (for --reshard)."""
+        return relayout(flat, self.layouts[index], saved, self.scale_row)
+
+
+class ClusterCollective:
+    """The CollectiveFactory of a recipe's comm section: on its first call (a collective, made when a
+    1-bit optimizer is built) it finds which ranks share a node (zoa_train.comm.topology) and builds
+    the flat or the node-aware allreduce as `topology` ("auto", "flat", "hierarchical") says.
+    `chosen` then describes what it built, for the run's log."""
+
+    def __init__(self, topology: str = "auto", ranks_per_node: int = 0, intra_dtype: torch.dtype = torch.float32):
+        self.topology, self.ranks_per_node, self.intra_dtype = topology, ranks_per_node, intra_dtype
+        self.chosen: str | None = None
+        self.fell_back = False  # auto on an uneven layout: flat
+        self._groups: dict[tuple, NodeGroups] = {}
+
+    def __call__(self, sizes, *, group=None, device=None, ledger=None):
+        world, _ = group_size_rank(group)
+        if world > 1 and group is not None and world != dist.get_world_size():
+            raise ValueError("ClusterCollective finds nodes among all ranks: use it with the world's process group")
+        nodes = discover_nodes(self.ranks_per_node) if world > 1 else [[0]]
+        kind = choose(self.topology, nodes)
+        self.fell_back = self.topology == "auto" and kind == "flat" and len({len(n) for n in nodes}) > 1
+        self.chosen = f"{kind} 1-bit sync, {describe(nodes)}"
+        if kind == "flat":
+            return OneBitAllReduce(sizes, group, device, ledger)
+        key = tuple(map(tuple, nodes))
+        if key not in self._groups:
+            on_cuda = device is not None and torch.device(device).type == "cuda"
+            self._groups[key] = node_groups(nodes, "cuda" if on_cuda else "cpu")
+        return HierarchicalOneBitAllReduce(sizes, group, device, ledger, nodes=self._groups[key], intra_dtype=self.intra_dtype)
