@@ -18,7 +18,12 @@
    - one 1-bit call of BERT-Large's 398 tensors (`zoa-train bench ops`' sizes; divided by 16 with
      --quick): torch ops per call (and CUDA kernel launches, from torch.profiler), host wall time and
      device busy time per call; it fails when the ops or launches exceed what the design allows;
-5. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
+5. the node-aware 1-bit sync (zoa_train/comm/hierarchical.py), four Gloo ranks sharing the device as 2
+   nodes x 2 ranks: on device buffers it equals the same calls on CPU buffers, every rank holds the same
+   average, and ZeroOneAdam through it keeps the parameters bit-identical across ranks after every sync;
+   with 2 or more GPUs, the same sync over NCCL, a rank per GPU (2 GPUs: one node of 2, where it is the
+   exact average; 4 or more: 2 nodes), every rank holding the same average;
+6. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
 What one GPU cannot validate: NCCL between ranks and the 1-bit collectives over NCCL (two GPUs), and
 communication speed (Gloo through host memory on one machine says nothing of NCCL over NVLink or a
 network; the two ranks also share the GPU's time). Prints one line per check; exit 1 on a failure.
@@ -40,7 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from zoa_train.bench.comm import bert_large_groups, count_ops  # noqa: E402
-from zoa_train.comm import CommLedger, OneBitAllReduce, onebit_layout, pack_signs, unpack_signs  # noqa: E402
+from zoa_train.comm import ClusterCollective, CommLedger, OneBitAllReduce, onebit_layout, pack_signs, unpack_signs  # noqa: E402
 from zoa_train.comm.onebit import block_elements  # noqa: E402
 from zoa_train.distributed import init_process_group, threads_per_rank  # noqa: E402
 from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam  # noqa: E402
@@ -168,11 +173,12 @@ def rank_main(rank: int, tmp: str, device_name: str, quick: bool) -> None:
     dist.destroy_process_group()
 
 
-def allreduce_on_rank(rank: int, device: torch.device) -> dict[str, list[torch.Tensor]]:
-    """The same inputs through a OneBitAllReduce on `device` and one on the CPU, call by call;
-    each call's outputs (both groups, back to back) on the CPU."""
+def allreduce_on_rank(rank: int, device: torch.device, collective=OneBitAllReduce, on_cpu: bool = True) -> dict[str, list[torch.Tensor]]:
+    """The same inputs through a `collective` (a factory) on `device` and one on the CPU, call by
+    call; each call's outputs (both groups, back to back) on the CPU."""
     numel = sum(map(sum, ALLREDUCE_GROUPS))
-    comms = [OneBitAllReduce(ALLREDUCE_GROUPS, device=where, ledger=CommLedger(num_params=numel)) for where in (device, torch.device("cpu"))]
+    places = (device, torch.device("cpu")) if on_cpu else (device,)
+    comms = [collective(ALLREDUCE_GROUPS, group=None, device=where, ledger=CommLedger(num_params=numel)) for where in places]
     outputs: dict[str, list[torch.Tensor]] = {"device": [], "cpu": []}
     g = torch.Generator().manual_seed(100 + rank)
     for _ in range(ALLREDUCE_CALLS):
@@ -183,13 +189,13 @@ def allreduce_on_rank(rank: int, device: torch.device) -> dict[str, list[torch.T
                 # magnitudes that differ by tensor, as layers' gradients do
                 buffer[offset : offset + size] = torch.randn(size, generator=g) * 10.0 ** (i % 4 - 2)
             inputs.append(buffer)
-        for comm, key in zip(comms, ("device", "cpu")):
+        for comm, key in zip(comms, ("device", "cpu")[: len(comms)]):
             out = comm.op([x.to(comm.device, copy=True) for x in inputs])  # op averages in place
             outputs[key].append(torch.cat(out).cpu())
     return outputs
 
 
-def zero_one_on_rank(rank: int, device: torch.device) -> list[tuple[bool, int, torch.Tensor]]:
+def zero_one_on_rank(rank: int, device: torch.device, collective=OneBitAllReduce) -> list[tuple[bool, int, torch.Tensor]]:
     """(synced, interval, parameters flattened) after each ZeroOneAdam step of a small model,
     each rank on its own data."""
     torch.manual_seed(0)  # the optimizer starts every rank from rank 0's parameters anyway
@@ -198,7 +204,7 @@ def zero_one_on_rank(rank: int, device: torch.device) -> list[tuple[bool, int, t
     others = [p for p in model.parameters() if p.dim() <= 1]
     optimizer = ZeroOneAdam(
         [{"params": weights, "weight_decay": 0.01}, {"params": others, "weight_decay": 0.0}],
-        lr=1e-2, var_freeze_step=6, var_update_scaler=1, local_steps="fixed", local_step_interval=3,
+        lr=1e-2, var_freeze_step=6, var_update_scaler=1, local_steps="fixed", local_step_interval=3, collective=collective,
     )  # fmt: skip
     g = torch.Generator().manual_seed(1000 + rank)
     records = []
@@ -318,7 +324,7 @@ def report_allreduce(equal_name: str, ranks_name: str, device: torch.device, ran
         ok = max_relative <= 1e-5 and flipped <= signs * 1e-5
         report(equal_name, ok, f"{'bit-equal' if equal else 'not bit-equal'}, max relative difference {max_relative:.2e}, "
                f"{flipped} of {signs:,} signs differ")  # fmt: skip
-    same = all(torch.equal(a, b) for key in ("device", "cpu") for a, b in zip(ranks[0][key], ranks[1][key]))
+    same = all(torch.equal(a, b) for key in ("device", "cpu") for rank in ranks[1:] for a, b in zip(ranks[0][key], rank[key]))
     report(ranks_name, same)
 
 
@@ -359,6 +365,76 @@ def report_ops(name: str, device: torch.device, ops: dict) -> None:
     report(name, ok, detail)
 
 
+NODES, RANKS_PER_NODE = 2, 2  # the node-aware checks' emulated cluster
+
+
+def node_aware_rank(rank: int, tmp: str, device_name: str, backend: str, world: int, ranks_per_node: int) -> None:
+    """One rank of the node-aware checks: the sync against the CPU's (Gloo) or alone (NCCL), then
+    ZeroOneAdam through it (Gloo)."""
+    device = torch.device(device_name if backend == "gloo" else f"cuda:{rank}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    torch.set_num_threads(threads_per_rank(world))
+    init_process_group(backend, timeout_s=120, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    sync = ClusterCollective("hierarchical", ranks_per_node)
+    results = {"allreduce": allreduce_on_rank(rank, device, sync, on_cpu=backend == "gloo")}
+    torch.save(results, f"{tmp}/rank{rank}.pt")
+    if backend == "gloo":
+        results["zero_one"] = zero_one_on_rank(rank, device, sync)
+        torch.save(results, f"{tmp}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spawn_ranks(target, world: int, *args) -> tuple[list[dict], str]:
+    """Run `target(rank, tmp, *args)` on `world` processes; each rank's saved results and the error, if any."""
+    error = ""
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.spawn(target, args=(tmp, *args), nprocs=world)
+        except Exception as failure:
+            lines = [line for line in str(failure).splitlines() if line.strip()] or [repr(failure)]
+            error = lines[-1][:300]
+        files = [Path(tmp, f"rank{r}.pt") for r in range(world)]
+        return [torch.load(f) if f.exists() else {} for f in files], error or "no result"
+
+
+def check_node_aware(device: torch.device) -> None:
+    kind, world = device.type, NODES * RANKS_PER_NODE
+    shape = f"{NODES} nodes x {RANKS_PER_NODE} Gloo ranks"
+    names = [
+        f"node-aware 1-bit sync on {kind} equals the CPU's ({shape}, {ALLREDUCE_CALLS} calls)",
+        f"node-aware 1-bit sync: every rank holds the same average, on {kind} and on the CPU",
+        f"ZeroOneAdam on {kind} through the node-aware sync, {shape}: parameters bit-identical across ranks after every sync",
+    ]
+    start = time.perf_counter()
+    ranks, error = spawn_ranks(node_aware_rank, world, str(device), "gloo", world, RANKS_PER_NODE)
+    print(f"      ({world} ranks started and run in {time.perf_counter() - start:.1f} s)", flush=True)
+    if all("allreduce" in r for r in ranks):
+        report_allreduce(names[0], names[1], device, [r["allreduce"] for r in ranks])
+    else:
+        report(names[0], False, error)
+        report(names[1], False, error)
+    if all("zero_one" in r for r in ranks):
+        report_zero_one(names[2], [r["zero_one"] for r in ranks])
+    else:
+        report(names[2], False, error)
+
+    gpus = torch.cuda.device_count() if kind == "cuda" else 0
+    nccl = "node-aware 1-bit sync over NCCL, a rank per GPU: every rank holds the same average"
+    if gpus < 2:
+        print(f"SKIP  {nccl}  needs 2 GPUs, this machine has {gpus}", flush=True)
+        return
+    per_node = gpus // 2 if gpus >= 4 else gpus
+    ranks, error = spawn_ranks(node_aware_rank, gpus, "cuda", "nccl", gpus, per_node)
+    if not all("allreduce" in r for r in ranks):
+        report(nccl, False, error)
+        return
+    outputs = [r["allreduce"]["device"] for r in ranks]
+    same = all(torch.equal(a, b) for other in outputs[1:] for a, b in zip(outputs[0], other))
+    report(nccl, same, f"{gpus // per_node} node(s) x {per_node} GPUs")
+
+
 def check_step_cost(device: torch.device) -> None:
     """`zoa-train bench optim` on the GPU: 0/1 Adam's local step against AdamW(fused) (target 1.1x).
     Run on CUDA only: on a CPU it is `bench optim`'s own figure, and a timing is no test."""
@@ -388,6 +464,7 @@ def main() -> None:
     check_optimizers(device)
     check_runs(device, args.quick)
     check_ranks(device, args.quick)
+    check_node_aware(device)
     if device.type == "cuda":
         check_step_cost(device)
     print(f"{len(FAILED)} failed" if FAILED else "all passed")

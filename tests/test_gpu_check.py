@@ -13,6 +13,6 @@ def test_gpu_check_passes_on_the_cpu():
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "FAIL" not in done.stdout and "all passed" in done.stdout
     # What can differ on a CPU: a real run, an exact resume, ranks agreeing on the 1-bit average and on
-    # 0/1 Adam's parameters, the op count. The five checks of a device against the CPU compare the CPU
-    # with itself here and say so: they are for a GPU.
-    assert done.stdout.count("PASS") == 5 and done.stdout.count("SKIP") == 5, done.stdout
+    # 0/1 Adam's parameters (flat and node-aware), the op count. The six checks of a device against the
+    # CPU compare the CPU with itself here and say so: they are for a GPU; so is NCCL between GPUs.
+    assert done.stdout.count("PASS") == 7 and done.stdout.count("SKIP") == 7, done.stdout

@@ -6,6 +6,7 @@ import torch.distributed as dist
 from distributed_harness import run_ranks
 from reference import ExactAllReduce, zero_one_adam_reference
 
+from zoa_train.comm import ClusterCollective, OneBitAllReduce
 from zoa_train.optim import DataParallelAdam, LRSchedule, OneBitAdam, ZeroOneAdam, ZeroOneSchedule
 
 DIM = 40
@@ -88,14 +89,27 @@ def test_exact_compressor_zero_one_adam_follows_algorithm_1_when_the_interval_sh
         torch.testing.assert_close(ranks[r][1], ms[r], rtol=1e-5, atol=1e-5)
 
 
-def _sync_invariants(rank, world_size, weight_decay, update_clip=None):
+def _collective(ranks_per_node: int):
+    """The flat 1-bit allreduce, or the node-aware one on nodes of `ranks_per_node` ranks."""
+    return ClusterCollective("hierarchical", ranks_per_node) if ranks_per_node else OneBitAllReduce
+
+
+def _sync_invariants(rank, world_size, weight_decay, update_clip=None, ranks_per_node=0):
     torch.manual_seed(0)  # the same init everywhere; the optimizer broadcasts rank 0's anyway
     emb = torch.nn.Embedding(20, 6)
     head = torch.nn.Linear(6, 3)
     frozen_rows = emb.weight.detach()[10:].clone()
     params = [{"params": emb.parameters()}, {"params": head.parameters(), "lr": 0.02}, {"params": []}]
     opt = ZeroOneAdam(
-        params, lr=0.05, weight_decay=weight_decay, var_freeze_step=8, var_update_scaler=2, local_steps="fixed", local_step_interval=3, update_clip=update_clip
+        params,
+        lr=0.05,
+        weight_decay=weight_decay,
+        var_freeze_step=8,
+        var_update_scaler=2,
+        local_steps="fixed",
+        local_step_interval=3,
+        update_clip=update_clip,
+        collective=_collective(ranks_per_node),
     )
     lr_products = torch.ones(())
     snapshots = []
@@ -117,10 +131,11 @@ def _sync_invariants(rank, world_size, weight_decay, update_clip=None):
     return snapshots, emb.weight.detach()[10:].clone(), frozen_rows * lr_products, opt.ledger.average_bits_per_param
 
 
-@pytest.mark.parametrize("world_size,update_clip", [(2, None), (3, None), (2, 0.05)])
-def test_real_compression_keeps_ranks_bit_identical_and_zero_gradient_rows_still(world_size, update_clip):
-    # update_clip 0.05 clips nearly every step, each rank by its own factors.
-    ranks = run_ranks(_sync_invariants, world_size, 0.0, update_clip)
+@pytest.mark.parametrize("world_size,update_clip,ranks_per_node", [(2, None, 0), (3, None, 0), (2, 0.05, 0), (4, None, 2)])
+def test_real_compression_keeps_ranks_bit_identical_and_zero_gradient_rows_still(world_size, update_clip, ranks_per_node):
+    # update_clip 0.05 clips nearly every step, each rank by its own factors; 4 ranks as 2 nodes x 2
+    # through the node-aware sync.
+    ranks = run_ranks(_sync_invariants, world_size, 0.0, update_clip, ranks_per_node)
     steps = [t for t, _, _ in ranks[0][0]]
     assert len(steps) >= 12 and any(b - a == 3 for a, b in zip(steps, steps[1:]))  # local steps happened
     for r in range(1, world_size):
@@ -209,11 +224,11 @@ def test_weight_decay_does_not_leak_into_the_rebuilt_momentum():
         assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
-def _resume(rank, world_size, steps, save_at, path, load):
+def _resume(rank, world_size, steps, save_at, path, load, ranks_per_node=0):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     opt_kwargs = dict(lr=0.01, var_freeze_step=10, var_update_scaler=2, local_steps="fixed", local_step_interval=4, weight_decay=0.01)
-    opt = ZeroOneAdam(model.parameters(), **opt_kwargs)
+    opt = ZeroOneAdam(model.parameters(), **opt_kwargs, collective=_collective(ranks_per_node))
     start = 0
     if load:
         ckpt = torch.load(f"{path}.rank{rank}", weights_only=False)
@@ -232,11 +247,12 @@ def _resume(rank, world_size, steps, save_at, path, load):
     return [p.detach().clone() for p in model.parameters()], opt.ledger.summary()
 
 
-def test_resume_inside_a_local_period_continues_the_same_trajectory(tmp_path):
+@pytest.mark.parametrize("world_size,ranks_per_node", [(2, 0), (4, 2)])
+def test_resume_inside_a_local_period_continues_the_same_trajectory(tmp_path, world_size, ranks_per_node):
     path = str(tmp_path / "ckpt")
-    uninterrupted = run_ranks(_resume, 2, 40, 23, path, False)
-    resumed = run_ranks(_resume, 2, 40, 23, path, True)
-    for r in range(2):
+    uninterrupted = run_ranks(_resume, world_size, 40, 23, path, False, ranks_per_node)
+    resumed = run_ranks(_resume, world_size, 40, 23, path, True, ranks_per_node)
+    for r in range(world_size):
         assert all(torch.equal(a, b) for a, b in zip(uninterrupted[r][0], resumed[r][0]))
         assert uninterrupted[r][1] == resumed[r][1]
 

@@ -3,8 +3,8 @@
 A flat 1-bit allreduce has every rank's signs cross the slow link between nodes, so a node of G
 ranks sends G times what it must (DeepSpeed's 1-bit optimizers work that way). Here, on N nodes of
 G ranks (docs/algorithm.md, "Node-aware sync"):
-  1. inside the node, a full-precision reduce-scatter: local rank g holds the node's average of
-     shard g (1/G of each buffer, in `intra_dtype`, summed in fp32);
+  1. inside the node, a full-precision reduce-scatter (an all-to-all and a local sum in fp32):
+     local rank g holds the node's average of shard g (1/G of each buffer, sent in `intra_dtype`);
   2. between nodes, the flat two-pass 1-bit allreduce (OneBitAllReduce) of that shard among the N
      ranks of local rank g, one per node, with its error buffers: the worker error covers the shard
      (1/G of the buffer), the server error 1/(G*N);
@@ -27,8 +27,7 @@ from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.onebit import SCALE_ROW, OneBitAllReduce, OneBitLayout, _buffer_sizes, _group_device, check_topology, onebit_layout, relayout
 from zoa_train.comm.topology import NodeGroups, choose, describe, discover_nodes, node_groups
 
-# torch 2.14 names these *_single and deprecates the *_tensor names; older releases have only those.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.14 names it all_gather_single and deprecates all_gather_into_tensor; older releases have only that.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -92,9 +91,10 @@ class HierarchicalOneBitAllReduce:
         self._accumulators = list(self._pending.split([l.padded for l in self.layouts]))
         if g > 1:
             self._send = torch.zeros(g * self._shard_total, dtype=intra_dtype, device=self.device)  # ordered by destination
-            self._received = torch.zeros(self._shard_total, dtype=intra_dtype, device=self.device) if intra_dtype != torch.float32 else None
             self._shard = torch.zeros(self._shard_total, device=self.device)  # this rank's shard of every buffer
             self._gathered = torch.zeros(g * self._shard_total, device=self.device)  # ordered by source
+            # what the node's ranks send this rank: in _gathered (free until the all-gather) when fp32
+            self._received = self._gathered if intra_dtype == torch.float32 else torch.zeros_like(self._send)
         active = [l for l in self.layouts if l.active]
         self._inter = None
         if n > 1 and active:
@@ -182,10 +182,10 @@ class HierarchicalOneBitAllReduce:
         g = self.nodes.ranks_per_node
         for index, piece in self._pieces(self._send):
             piece.copy_(self._accumulators[index].view(g, -1))
-        received = self._received if self._received is not None else self._shard
-        _reduce_scatter(received, self._send, group=self.nodes.intra)
-        if received is not self._shard:
-            self._shard.copy_(received)
+        # A reduce-scatter as an all-to-all and a sum here: the same bytes, and a collective that Gloo
+        # also takes on CUDA tensors (gpu_check runs ranks sharing one GPU through it).
+        dist.all_to_all_single(self._received, self._send, group=self.nodes.intra)
+        torch.sum(self._received.view(g, -1), dim=0, dtype=torch.float32, out=self._shard)
         self._shard.mul_(1.0 / g)
         bits = torch.finfo(self.intra_dtype).bits
         self.ledger.record(
@@ -277,6 +277,6 @@ class ClusterCollective:
             return OneBitAllReduce(sizes, group, device, ledger)
         key = tuple(map(tuple, nodes))
         if key not in self._groups:
-            on_cuda = device is not None and torch.device(device).type == "cuda"
-            self._groups[key] = node_groups(nodes, "cuda" if on_cuda else "cpu")
+            # the mesh's device type follows the backend: Gloo ranks may share a GPU (gpu_check does)
+            self._groups[key] = node_groups(nodes, "cuda" if "nccl" in str(dist.get_backend()) else "cpu")
         return HierarchicalOneBitAllReduce(sizes, group, device, ledger, nodes=self._groups[key], intra_dtype=self.intra_dtype)

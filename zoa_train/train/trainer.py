@@ -182,7 +182,8 @@ class Trainer:
         sync = ClusterCollective(recipe.comm.topology, recipe.comm.ranks_per_node, intra_dtype)
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync)
         if sync.chosen and self.is_main:
-            log.info("%s", sync.chosen)
+            if sync.chosen.startswith("hierarchical"):  # flat on one node is what everyone expects: not said
+                print(sync.chosen, flush=True)
             if sync.fell_back:
                 log.warning("comm.topology auto: the nodes have unequal numbers of ranks, so the 1-bit sync is flat")
         self._warn_about_the_plan(recipe)
