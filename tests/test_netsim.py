@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {
     "optimizer", "run_dir", "steps", "median_step_s", "tokens_per_s", "bits_per_param", "rounds", "bytes_sent_per_rank",
     "wire_bytes_per_rank", "final_loss", "final_val_loss", "wall_time_s", "time_to_target_s", "step_to_target",
-    "speedup_wall", "speedup_time_to_target",
+    "speedup_wall", "speedup_time_to_target", "label", "topology", "wire_bytes_per_node",
 }  # fmt: skip
 
 
@@ -77,11 +77,28 @@ def test_link_commands_stay_out_of_the_root_namespace(latency):
 def test_rank_command_describes_a_torchrun_rank_inside_its_namespace():
     topo = netsim.topology(4, pid=7)
     command = netsim.rank_command(topo, 3, 29501, ["run", "r.yaml"])
-    assert command[:5] == ["ip", "netns", "exec", "zn7-r3", "env"]
+    assert command[:5] == ["ip", "netns", "exec", "zn7-n3", "env"]
     for setting in ("RANK=3", "WORLD_SIZE=4", "LOCAL_RANK=0", "LOCAL_WORLD_SIZE=1", "MASTER_ADDR=10.231.0.1",
                     "MASTER_PORT=29501", "OMP_NUM_THREADS=1", "GLOO_SOCKET_IFNAME=zn7-v3"):  # fmt: skip
         assert setting in command
     assert command[-4:] == ["-m", "zoa_train.cli", "run", "r.yaml"]
+
+
+def test_nodes_of_several_ranks_share_a_namespace_and_a_shaped_loopback():
+    topo = netsim.topology(2, 3, pid=7)
+    assert topo.ranks == 6 and topo.namespaces == ["zn7-br", "zn7-n0", "zn7-n1"]
+    command = netsim.rank_command(topo, 4, 29501, ["run", "r.yaml"])
+    assert command[:5] == ["ip", "netns", "exec", "zn7-n1", "env"]
+    for setting in ("RANK=4", "WORLD_SIZE=6", "LOCAL_RANK=1", "LOCAL_WORLD_SIZE=3", "MASTER_ADDR=10.231.0.1", "GLOO_SOCKET_IFNAME=zn7-v1"):
+        assert setting in command
+    commands = netsim.link_commands(topo, 100_000_000, 0.0, intra_bits=10_000_000_000)
+    loopbacks = [c for c in commands if "qdisc" in c and c[c.index("dev") + 1] == "lo"]
+    assert [c[3] for c in loopbacks] == ["zn7-n0", "zn7-n1"] and all("10000000000bit" in c for c in loopbacks)
+    assert not [c for c in netsim.link_commands(topo, 100_000_000, 0.0) if "lo" in c and "qdisc" in c]  # unshaped by default
+    with pytest.raises(UserError, match="--nodes must be between 2"):
+        netsim.topology(1, 4)
+    with pytest.raises(UserError, match="at most 64"):
+        netsim.topology(8, 9)
 
 
 def test_optimizers_are_checked_and_adam_runs_first():
@@ -112,7 +129,7 @@ def test_step_time_time_to_target_and_speedups():
     rows = [netsim.summarize(r, target) for r in (adam, fast, slow)]
     netsim.add_speedups(rows)
     a, f, s = rows
-    assert FIELDS - {"wire_bytes_per_rank"} == set(a)
+    assert FIELDS - {"wire_bytes_per_rank", "wire_bytes_per_node", "label", "topology"} == set(a)
     assert (a["time_to_target_s"], a["step_to_target"], a["speedup_wall"], a["speedup_time_to_target"]) == (10.0, 4, 1.0, 1.0)
     assert (f["time_to_target_s"], f["step_to_target"]) == (3.5, 4) and f["speedup_wall"] == 10.0 / 3.5 == f["speedup_time_to_target"]
     assert s["time_to_target_s"] is None and s["speedup_time_to_target"] is None and s["speedup_wall"] == 2.5
@@ -269,6 +286,33 @@ def test_nothing_is_left_after_a_run(netsim_run):
     proc, _, stderr, _ = netsim_run
     assert proc.returncode == 0, stderr[-3000:]
     assert leftovers(f"zn{proc.pid}") == []
+
+
+@needs_namespaces
+def test_two_nodes_of_two_ranks_train_flat_and_node_aware(tmp_path):
+    # 0/1 Adam on 2 namespaces of 2 ranks each: trained with the flat and with the node-aware sync, the
+    # second puts fewer bytes on each node's link; bench comm times both over the same links.
+    proc = start_netsim("--nodes", "2", "--ranks-per-node", "2", "--bandwidth", "100mbit", "--latency", LATENCY, "--steps", "6",
+                        "--comm-sizes", "1M", "--optimizers", "zero_one_adam", "--out", str(tmp_path), "--json", *QUICK,
+                        "--set", "train.micro_batch_size=8")  # fmt: skip
+    stdout, stderr = proc.communicate(timeout=600)
+    assert proc.returncode == 0, stderr[-3000:]
+    result = json.loads(stdout.strip().splitlines()[-1])
+    assert (result["nodes"], result["ranks_per_node"], result["ranks"]) == (2, 2, 4)
+    flat, node_aware = result["runs"]
+    assert (flat["label"], flat["topology"], node_aware["label"], node_aware["topology"]) == (
+        "zero_one_adam-flat",
+        "flat",
+        "zero_one_adam-hierarchical",
+        "hierarchical",
+    )
+    assert "hierarchical 1-bit sync, 2 nodes x 2 ranks" in (tmp_path / "logs" / "zero_one_adam-hierarchical-rank0.log").read_text()
+    # the same fp32 start-up and variance steps, then 1-bit rounds: half of flat's on each node's link
+    assert node_aware["wire_bytes_per_node"] < flat["wire_bytes_per_node"]
+    assert node_aware["bits_per_param"] < flat["bits_per_param"] and node_aware["rounds"] == flat["rounds"]
+    (row,) = result["comm"]["results"]
+    assert row["ranks_per_node"] == 2 and row["node_aware_inter_bytes_per_rank"] * 2 == pytest.approx(row["onebit_inter_bytes_per_rank"], rel=0.02)
+    assert row["node_aware_s"] > 0 and leftovers(f"zn{proc.pid}") == []
 
 
 @needs_namespaces

@@ -382,6 +382,13 @@ def bench_comm(
     nproc: Annotated[int, typer.Option(help="Local ranks to start. [default: 2]", show_default=False)] = 2,
     backend: Annotated[str, typer.Option(help="gloo or nccl. [default: nccl with CUDA, else gloo]", show_default=False)] = "",
     repeats: Annotated[int, typer.Option(help="Timed repeats after warm-up; the median is reported. [default: 9]", show_default=False)] = 9,
+    ranks_per_node: Annotated[
+        int,
+        typer.Option(
+            help="Treat ranks r*G..r*G+G-1 as node r and time the node-aware 1-bit allreduce too, with each call's bytes by link. [default: 0, flat only]",
+            show_default=False,
+        ),
+    ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
     """Time torch.distributed.all_reduce (fp32) against OneBitAllReduce on the same tensors.
@@ -400,14 +407,17 @@ def bench_comm(
         fail("--repeats must be at least 1.")
     if backend not in ("", "gloo", "nccl"):
         fail(f"--backend must be gloo or nccl, not {backend!r}.")
+    world = int(os.environ["WORLD_SIZE"]) if cluster_environment() is not None else nproc
+    if ranks_per_node < 0 or (ranks_per_node and (world % ranks_per_node or world == ranks_per_node)):
+        fail(f"--ranks-per-node must divide the {world} ranks into two or more nodes, not {ranks_per_node}.")
     if cluster_environment() is None:
-        rows = launch_local(rank_main, nproc, numels, repeats, backend or None)[0]
+        rows = launch_local(rank_main, nproc, numels, repeats, backend or None, ranks_per_node)[0]
     else:
-        rows = rank_main(numels, repeats, backend or None)
+        rows = rank_main(numels, repeats, backend or None, ranks_per_node)
         if rows is None:  # not rank 0
             return
-        nproc = int(os.environ["WORLD_SIZE"])
-    result = {"nproc": nproc, "backend": backend or "default", "repeats": repeats, "results": rows}
+        nproc = world
+    result = {"nproc": nproc, "backend": backend or "default", "repeats": repeats, "ranks_per_node": ranks_per_node, "results": rows}
     if as_json:
         print(json.dumps(result))
         return
@@ -427,6 +437,17 @@ def bench_comm(
             f"{r['pack_unpack_vs_add']:.2f}",
         )
     console.print(table)
+    if ranks_per_node:
+        from zoa_train.optim.plan import format_bytes
+
+        nodes = Table(title=f"flat vs node-aware 1-bit allreduce, {nproc // ranks_per_node} nodes x {ranks_per_node} ranks: time and bytes per rank per call")
+        for name in ("elements", "flat 1-bit s", "node-aware s", "node-aware vs fp32", "flat between nodes", "node-aware between nodes", "node-aware inside"):
+            nodes.add_column(name, justify="right")
+        for r in rows:
+            nodes.add_row(f"{r['numel']:,}", f"{r['onebit_s']:.4f}", f"{r['node_aware_s']:.4f}", f"{r['node_aware_speedup']:.2f}x",
+                          format_bytes(r["onebit_inter_bytes_per_rank"]), format_bytes(r["node_aware_inter_bytes_per_rank"]),
+                          format_bytes(r["node_aware_intra_bytes_per_rank"]))  # fmt: skip
+        console.print(nodes)
 
 
 @bench_app.command("netsim")
@@ -434,10 +455,23 @@ def bench_netsim(
     recipe: Annotated[Path, typer.Option(help="The recipe every optimizer trains. [default: recipes/gpt2_tiny.yaml]", show_default=False)] = Path(
         "recipes/gpt2_tiny.yaml"
     ),
-    ranks: Annotated[int, typer.Option(help="Ranks, one network namespace each. [default: 2]", show_default=False)] = 2,
+    ranks: Annotated[int, typer.Option(help="Ranks, one network namespace (node) each; see --nodes. [default: 2]", show_default=False)] = 2,
+    nodes: Annotated[
+        int,
+        typer.Option(
+            help="Emulated nodes, one network namespace each, of --ranks-per-node ranks that talk over its loopback (replaces --ranks). [default: --ranks nodes of 1]",
+            show_default=False,
+        ),
+    ] = 0,
+    ranks_per_node: Annotated[
+        int, typer.Option(help="Ranks in each of --nodes; above 1 the 1-bit optimizers train flat and node-aware. [default: 1]", show_default=False)
+    ] = 1,
     bandwidth: Annotated[
-        str, typer.Option(help="Rate of each rank's link, both directions, e.g. 100mbit, 1Gbit, 12.5MB/s. [default: 100mbit]", show_default=False)
+        str, typer.Option(help="Rate of each node's link to the others, both directions, e.g. 100mbit, 1Gbit, 12.5MB/s. [default: 100mbit]", show_default=False)
     ] = "100mbit",
+    intra_bandwidth: Annotated[
+        str, typer.Option(help="Rate of each node's loopback, shared by its ranks, e.g. 10Gbit. [default: unshaped]", show_default=False)
+    ] = "",
     latency: Annotated[
         str, typer.Option(help="One-way delay between two ranks (netem), e.g. 1ms; 0 shapes the rate only. [default: 1ms]", show_default=False)
     ] = "1ms",
@@ -470,7 +504,7 @@ def bench_netsim(
     ] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object instead of tables.")] = False,
 ) -> None:
-    """Train each optimizer on ranks in network namespaces joined by a bridge over rate-limited, delayed veth links, same recipe and seed.
+    """Train each optimizer on ranks in network namespaces (emulated nodes) joined by a bridge over rate-limited, delayed veth links, same recipe and seed.
 
     Reports step time, throughput, bits/param, rounds, bytes sent, time to Adam's final val_loss and speed-ups against Adam, then bench comm over the same links. Needs root and iproute2; removes everything it creates, also on failure or Ctrl-C."""
     from zoa_train.bench.comm import parse_size
@@ -479,6 +513,11 @@ def bench_netsim(
 
     if steps < 0:
         fail("--steps must be positive (0 keeps the recipe's train.steps).")
+    if nodes < 0 or ranks_per_node < 1:
+        fail(f"--nodes must be positive and --ranks-per-node at least 1, not {nodes} and {ranks_per_node}.")
+    if ranks_per_node > 1 and not nodes:
+        fail("--ranks-per-node needs --nodes: pass --nodes N --ranks-per-node G for N namespaces of G ranks.")
+    world = nodes * ranks_per_node if nodes else ranks
     if not 0 <= margin < 1:
         fail(f"--margin must be a fraction in [0, 1), not {margin}.")
     overrides = [*set_, *([f"train.steps={steps}"] if steps else [])]
@@ -497,7 +536,20 @@ def bench_netsim(
         fail("--optimizers none and --comm-sizes none leave nothing to run.")
     say = zoa_console.err.print
     try:
-        result = run_netsim(recipe, overrides, names, ranks, bandwidth, latency, out, numels, progress=lambda m: say(m, highlight=False), margin=margin)
+        result = run_netsim(
+            recipe,
+            overrides,
+            names,
+            world,
+            bandwidth,
+            latency,
+            out,
+            numels,
+            progress=lambda m: say(m, highlight=False),
+            margin=margin,
+            ranks_per_node=ranks_per_node,
+            intra_bandwidth=intra_bandwidth,
+        )
     except RankFailed as e:
         zoa_console.error(str(e))
         raise typer.Exit(1) from None

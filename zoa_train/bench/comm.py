@@ -15,7 +15,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from zoa_train.comm import CommLedger, OneBitAllReduce, pack_signs, unpack_signs
+from zoa_train.comm import CommLedger, HierarchicalOneBitAllReduce, OneBitAllReduce, pack_signs, unpack_signs
+from zoa_train.comm.topology import node_groups, nodes_by_count
 from zoa_train.distributed import init_process_group, threads_per_rank
 
 FEEDBACK_CALLS = 50
@@ -83,11 +84,13 @@ def _timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-def rank_main(sizes: list[int], repeats: int, backend: str | None) -> list[dict] | None:
-    """Body of one rank; rank 0 returns the rows."""
+def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_node: int = 0) -> list[dict] | None:
+    """Body of one rank; rank 0 returns the rows. `ranks_per_node` G (nodes of G consecutive ranks):
+    the node-aware 1-bit allreduce is timed too, and the flat one's bytes are split by link."""
     device = init_process_group(backend)
     torch.set_num_threads(threads_per_rank(dist.get_world_size()))
     rank, world = dist.get_rank(), dist.get_world_size()
+    nodes = node_groups(nodes_by_count(world, ranks_per_node), "cuda" if device.type == "cuda" else "cpu") if ranks_per_node else None
     rows = []
     for numel in sizes:
         comm = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
@@ -104,8 +107,11 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None) -> list[dict]
             work.copy_(x)
 
         pairs = [(reset, lambda work=work: dist.all_reduce(work)), (reset, lambda work=work, comm=comm: comm.op(work))]
+        if nodes is not None:
+            node_aware = HierarchicalOneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel), nodes=nodes)
+            pairs.append((reset, lambda work=work, comm=node_aware: comm.op(work)))  # the same layout as the flat call's
         _median_times(pairs, 1, device)  # warm-up
-        fp32_s, onebit_s = _median_times(pairs, repeats, device)
+        fp32_s, onebit_s, *node_aware_s = _median_times(pairs, repeats, device)
 
         feedback = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
         running = torch.zeros_like(x)
@@ -135,6 +141,18 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None) -> list[dict]
                 "fp32_bytes_per_rank": 2 * (world - 1) * numel * 4 // world,
             }
         )
+        if nodes is not None:
+            # A flat call sends each of the other ranks the same share, so (n - G) / (n - 1) of its
+            # bytes leave the node (the ring allreduce's neighbours are one rank over: 1 in G leaves).
+            rows[-1] |= {
+                "ranks_per_node": ranks_per_node,
+                "node_aware_s": node_aware_s[0],
+                "node_aware_speedup": fp32_s / node_aware_s[0],
+                "onebit_inter_bytes_per_rank": comm.bytes_per_call * (world - ranks_per_node) // (world - 1),
+                "fp32_inter_bytes_per_rank": 2 * (world - 1) * numel * 4 // world // ranks_per_node,
+                "node_aware_inter_bytes_per_rank": node_aware.bytes_per_call,
+                "node_aware_intra_bytes_per_rank": node_aware.intra_bytes_per_call,
+            }
     dist.destroy_process_group()
     return rows if rank == 0 else None
 

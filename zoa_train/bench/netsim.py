@@ -2,20 +2,26 @@
 
 Topology (all of it private to this invocation, nothing is added to the root namespace):
 
-    namespace <prefix>-r0: veth <prefix>-v0, 10.231.0.1/24 ─┐
-    namespace <prefix>-r1: veth <prefix>-v1, 10.231.0.2/24 ─┼─ ports <prefix>-p0, -p1, ... on bridge <prefix>-br
-    ...                                                      ┘   in namespace <prefix>-br (no address)
+    namespace <prefix>-n0: ranks 0..G-1, veth <prefix>-v0, 10.231.0.1/24 ─┐
+    namespace <prefix>-n1: ranks G..2G-1, veth <prefix>-v1, 10.231.0.2/24 ─┼─ ports <prefix>-p0, -p1, ... on
+    ...                                                                   ┘   bridge <prefix>-br in namespace <prefix>-br
 
-<prefix> is "zn<pid>", so two invocations never share a name, and the addresses can be the same in
-every invocation because each one's namespaces see only their own bridge. Both ends of every link are
-shaped to --bandwidth (the rank's end limits what it sends, the bridge port what it receives); the
-rank's end also delays by --latency (netem), so a message between two ranks takes one latency and a
-round trip two.
+Each namespace is one node of G ranks (`--nodes N --ranks-per-node G`; `--ranks R` is R nodes of one
+rank). A node's ranks share its address, so what they send each other stays on the namespace's
+loopback (shaped to --intra-bandwidth, the node's total, when given) and only what goes to another
+node crosses its veth. <prefix> is "zn<pid>", so two invocations never share a name, and the
+addresses can be the same in every invocation because each one's namespaces see only their own
+bridge. Both ends of every link are shaped to --bandwidth (the node's end limits what it sends, the
+bridge port what it receives); the node's end also delays by --latency (netem), so a message between
+two nodes takes one latency and a round trip two.
 
 Each rank is `ip netns exec <ns> env RANK=... python -m zoa_train.cli run ...`: the trainer joins
-as a torchrun-style rank with Gloo bound to the rank's veth. `bench comm` is run over the same links
-the same way. Whatever happens (a failing rank, an exception, Ctrl-C, SIGTERM), the rank process
-groups are killed and every namespace of this invocation is deleted, which removes its veths and bridge.
+as a torchrun-style rank with Gloo bound to its node's veth, and with G > 1 the recipe's
+comm.ranks_per_node tells it the nodes (they all share this machine's hostname). The 1-bit
+optimizers then train twice, with the flat and with the node-aware sync. `bench comm` is run over the
+same links the same way. Whatever happens (a failing rank, an exception, Ctrl-C, SIGTERM), the rank
+process groups are killed and every namespace of this invocation is deleted, which removes its veths
+and bridge.
 """
 
 import json
@@ -54,7 +60,12 @@ class RankFailed(Exception):
 @dataclass(frozen=True)
 class Topology:
     prefix: str
-    ranks: int
+    nodes: int
+    ranks_per_node: int = 1
+
+    @property
+    def ranks(self) -> int:
+        return self.nodes * self.ranks_per_node
 
     @property
     def bridge_ns(self) -> str:
@@ -64,29 +75,42 @@ class Topology:
     def bridge(self) -> str:
         return f"{self.prefix}-br"
 
+    def node_ns(self, node: int) -> str:
+        return f"{self.prefix}-n{node}"
+
+    def node_if(self, node: int) -> str:
+        return f"{self.prefix}-v{node}"
+
+    def port_if(self, node: int) -> str:
+        return f"{self.prefix}-p{node}"
+
+    def node_address(self, node: int) -> str:
+        return f"{SUBNET}.{node + 1}"
+
     def rank_ns(self, rank: int) -> str:
-        return f"{self.prefix}-r{rank}"
+        return self.node_ns(rank // self.ranks_per_node)
 
     def rank_if(self, rank: int) -> str:
-        return f"{self.prefix}-v{rank}"
-
-    def port_if(self, rank: int) -> str:
-        return f"{self.prefix}-p{rank}"
+        return self.node_if(rank // self.ranks_per_node)
 
     def address(self, rank: int) -> str:
-        return f"{SUBNET}.{rank + 1}"
+        return self.node_address(rank // self.ranks_per_node)
 
     @property
     def namespaces(self) -> list[str]:
-        return [self.bridge_ns, *(self.rank_ns(r) for r in range(self.ranks))]
+        return [self.bridge_ns, *(self.node_ns(n) for n in range(self.nodes))]
 
 
-def topology(ranks: int, pid: int | None = None) -> Topology:
-    """Names for this process (pid-based: unique among live invocations)."""
-    if not 2 <= ranks <= MAX_RANKS:
-        raise UserError(f"--ranks must be between 2 and {MAX_RANKS}, not {ranks}.")
-    topo = Topology(f"zn{os.getpid() if pid is None else pid}", ranks)
-    longest = max([topo.bridge, topo.rank_if(ranks - 1), topo.port_if(ranks - 1)], key=len)
+def topology(nodes: int, ranks_per_node: int = 1, pid: int | None = None) -> Topology:
+    """Names for this process (pid-based: unique among live invocations): `nodes` namespaces of
+    `ranks_per_node` ranks each."""
+    option = "--ranks" if ranks_per_node == 1 else "--nodes"
+    if not 2 <= nodes <= MAX_RANKS:
+        raise UserError(f"{option} must be between 2 and {MAX_RANKS}, not {nodes}.")
+    if not 1 <= ranks_per_node or nodes * ranks_per_node > MAX_RANKS:
+        raise UserError(f"--ranks-per-node must be at least 1 and --nodes x --ranks-per-node at most {MAX_RANKS}, not {nodes} x {ranks_per_node}.")
+    topo = Topology(f"zn{os.getpid() if pid is None else pid}", nodes, ranks_per_node)
+    longest = max([topo.bridge, topo.node_if(nodes - 1), topo.port_if(nodes - 1), topo.node_ns(nodes - 1)], key=len)
     assert len(longest) <= IFNAMSIZ, longest  # pids have at most 7 digits (pid_max <= 4194304)
     return topo
 
@@ -111,8 +135,9 @@ def parse_optimizers(text: str) -> list[str]:
     return sorted(names, key=lambda n: n != registry.BASELINE)
 
 
-def link_commands(topo: Topology, rate_bits: int, latency_s: float) -> list[list[str]]:
-    """The ip/tc commands that build the network, in order; nothing runs in the root namespace."""
+def link_commands(topo: Topology, rate_bits: int, latency_s: float, intra_bits: int = 0) -> list[list[str]]:
+    """The ip/tc commands that build the network, in order; nothing runs in the root namespace.
+    `intra_bits`: the rate of each node's loopback, which its ranks share (0: unshaped)."""
     rate = f"{rate_bits}bit"
     # tbf's bucket: at least 128 KiB (a 64 KiB GSO packet must fit, or tbf drops it) and 5 ms of the rate,
     # so high rates need not wake the timer for every packet; the queue holds 100 ms before dropping.
@@ -126,26 +151,29 @@ def link_commands(topo: Topology, rate_bits: int, latency_s: float) -> list[list
         ["ip", "-n", b, "link", "add", topo.bridge, "type", "bridge"],
         ["ip", "-n", b, "link", "set", topo.bridge, "up"],
     ]
-    for r in range(topo.ranks):
-        ns, veth, port = topo.rank_ns(r), topo.rank_if(r), topo.port_if(r)
+    for node in range(topo.nodes):
+        ns, veth, port = topo.node_ns(node), topo.node_if(node), topo.port_if(node)
         commands += [
             # Created directly inside the two namespaces: the pair never exists in the root namespace.
             ["ip", "link", "add", veth, "netns", ns, "type", "veth", "peer", "name", port, "netns", b],
             ["ip", "-n", b, "link", "set", port, "master", topo.bridge],
             ["ip", "-n", b, "link", "set", port, "up"],
             ["ip", "-n", ns, "link", "set", "lo", "up"],
-            ["ip", "-n", ns, "addr", "add", f"{topo.address(r)}/24", "dev", veth],
+            ["ip", "-n", ns, "addr", "add", f"{topo.node_address(node)}/24", "dev", veth],
             ["ip", "-n", ns, "link", "set", veth, "up"],
             ["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", veth, "root", *(netem if latency_s > 0 else tbf)],
             ["ip", "netns", "exec", b, "tc", "qdisc", "add", "dev", port, "root", *tbf],
         ]
+        if intra_bits and topo.ranks_per_node > 1:
+            loopback = ["tbf", "rate", f"{intra_bits}bit", "burst", str(max(128 * 1024, intra_bits // 8 // 200)), "latency", "100ms"]
+            commands.append(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", *loopback])
     return commands
 
 
 def rank_command(topo: Topology, rank: int, port: int, argv: list[str]) -> list[str]:
     """`python -m zoa_train.cli ARGV` as rank `rank` of a torchrun-style group inside its namespace."""
     env = {
-        "RANK": rank, "WORLD_SIZE": topo.ranks, "LOCAL_RANK": 0, "LOCAL_WORLD_SIZE": 1,
+        "RANK": rank, "WORLD_SIZE": topo.ranks, "LOCAL_RANK": rank % topo.ranks_per_node, "LOCAL_WORLD_SIZE": topo.ranks_per_node,
         "MASTER_ADDR": topo.address(0), "MASTER_PORT": port,
         "OMP_NUM_THREADS": 1,  # ranks share this machine's cores
         "GLOO_SOCKET_IFNAME": topo.rank_if(rank),
@@ -235,12 +263,12 @@ def remove_namespaces(prefix: str) -> None:
 
 
 @contextmanager
-def emulated_network(topo: Topology, rate_bits: int, latency_s: float) -> Iterator[None]:
+def emulated_network(topo: Topology, rate_bits: int, latency_s: float, intra_bits: int = 0) -> Iterator[None]:
     """Build the namespaces, bridge and shaped veths; delete them on the way out, however it is left."""
     try:
         # Namespaces with this pid's prefix can only be left over from a dead process that had our pid.
         remove_namespaces(topo.prefix)
-        for command in link_commands(topo, rate_bits, latency_s):
+        for command in link_commands(topo, rate_bits, latency_s, intra_bits):
             _run_ip(command)
         yield
     finally:
@@ -272,9 +300,10 @@ def terminate_as_exit() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def tx_bytes(topo: Topology, rank: int) -> int:
-    """Bytes rank `rank` has put on its link (its veth's transmit counter: headers and start-up included)."""
-    out = _run_ip(["ip", "-n", topo.rank_ns(rank), "-s", "-j", "link", "show", "dev", topo.rank_if(rank)]).stdout
+def tx_bytes(topo: Topology, node: int) -> int:
+    """Bytes node `node` has put on its link to the others (its veth's transmit counter: headers and
+    start-up included; its ranks' traffic with each other stays on its loopback)."""
+    out = _run_ip(["ip", "-n", topo.node_ns(node), "-s", "-j", "link", "show", "dev", topo.node_if(node)]).stdout
     return json.loads(out)[0]["stats64"]["tx"]["bytes"]
 
 
@@ -354,47 +383,64 @@ def run_netsim(
     comm_sizes: list[int],
     progress=print,
     margin: float = 0.0,
+    ranks_per_node: int = 1,
+    intra_bandwidth: str = "",
 ) -> dict:
-    """Train each optimizer over the emulated network, then run bench comm over it; returns (and writes
-    to OUT/netsim.json) the figures. Inputs are checked before anything is created."""
+    """Train each optimizer over the emulated network (`ranks` in nodes of `ranks_per_node`), then run
+    bench comm over it; returns (and writes to OUT/netsim.json) the figures. Inputs are checked before
+    anything is created."""
     from zoa_train.config import check_batch_layout, load_recipe
 
-    topo = topology(ranks)
+    if ranks_per_node < 1 or ranks % ranks_per_node:
+        raise UserError(f"--ranks-per-node must divide the {ranks} ranks, not {ranks_per_node}.")
+    topo = topology(ranks // ranks_per_node, ranks_per_node)
     rate_bits, latency_s = tc_rate(bandwidth), parse_latency(latency)
-    runs = {name: [*overrides, f"optimizer.name={name}"] for name in optimizers}
-    for sets in runs.values():
+    intra_bits = tc_rate(intra_bandwidth) if intra_bandwidth else 0
+    runs = {}  # label -> (optimizer, overrides); the 1-bit optimizers on several nodes of several ranks: flat and node-aware
+    nodes = [f"comm.ranks_per_node={ranks_per_node}"] if ranks_per_node > 1 else []
+    for name in optimizers:
+        if registry.get(name).uses_collective and ranks_per_node > 1:
+            for kind in ("flat", "hierarchical"):
+                runs[f"{name}-{kind}"] = (name, kind, [*overrides, *nodes, f"comm.topology={kind}", f"optimizer.name={name}"])
+        else:
+            runs[name] = (name, None, [*overrides, *nodes, f"optimizer.name={name}"])
+    for _, _, sets in runs.values():
         check_batch_layout(load_recipe(recipe, sets), ranks, str(recipe))
     check_prerequisites()
     out = out.resolve()
-    for name in optimizers:
-        prepare_run_dir(out / name)
+    for label in runs:
+        prepare_run_dir(out / label)
     (out / "logs").mkdir(parents=True, exist_ok=True)
 
     result = {
-        "ranks": ranks, "bandwidth": bandwidth, "bandwidth_bits_per_s": rate_bits, "latency_s": latency_s,
-        "recipe": str(recipe), "overrides": overrides, "prefix": topo.prefix,
+        "ranks": ranks, "nodes": topo.nodes, "ranks_per_node": ranks_per_node, "bandwidth": bandwidth, "bandwidth_bits_per_s": rate_bits,
+        "intra_bandwidth": intra_bandwidth or None, "latency_s": latency_s, "recipe": str(recipe), "overrides": overrides, "prefix": topo.prefix,
     }  # fmt: skip
     rows, comm = [], None
-    with terminate_as_exit(), emulated_network(topo, rate_bits, latency_s):
-        for index, name in enumerate(optimizers):
-            progress(f"{name}: training on {ranks} ranks, logs in {out / 'logs'}")
-            argv = ["run", str(recipe.resolve()), "--out", str(out / name), "--overwrite", *(a for s in runs[name] for a in ("--set", s))]
-            before = [tx_bytes(topo, r) for r in range(ranks)]
-            run_ranks(name, [rank_command(topo, r, MASTER_PORT + index, argv) for r in range(ranks)],
-                      [out / "logs" / f"{name}-rank{r}.log" for r in range(ranks)])  # fmt: skip
-            sent = [tx_bytes(topo, r) - b for r, b in zip(range(ranks), before)]
-            rows.append({"optimizer": name, "wire_bytes_per_rank": statistics.mean(sent)})
+    with terminate_as_exit(), emulated_network(topo, rate_bits, latency_s, intra_bits):
+        for index, (label, (name, kind, sets)) in enumerate(runs.items()):
+            progress(f"{label}: training on {topo.nodes} nodes x {ranks_per_node} ranks, logs in {out / 'logs'}")
+            argv = ["run", str(recipe.resolve()), "--out", str(out / label), "--overwrite", *(a for s in sets for a in ("--set", s))]
+            before = [tx_bytes(topo, n) for n in range(topo.nodes)]
+            run_ranks(label, [rank_command(topo, r, MASTER_PORT + index, argv) for r in range(ranks)],
+                      [out / "logs" / f"{label}-rank{r}.log" for r in range(ranks)])  # fmt: skip
+            per_node = statistics.mean(tx_bytes(topo, n) - b for n, b in enumerate(before))
+            rows.append(
+                {"label": label, "optimizer": name, "topology": kind, "wire_bytes_per_node": per_node, "wire_bytes_per_rank": per_node / ranks_per_node}
+            )
         if comm_sizes:
             progress(f"bench comm: fp32 vs 1-bit allreduce of {', '.join(map(str, comm_sizes))} elements")
             argv = ["bench", "comm", "--backend", "gloo", "--sizes", ",".join(map(str, comm_sizes)), "--repeats", str(COMM_REPEATS), "--json"]
+            if ranks_per_node > 1:
+                argv += ["--ranks-per-node", str(ranks_per_node)]
             logs = [out / "logs" / f"comm-rank{r}.log" for r in range(ranks)]
-            run_ranks("bench comm", [rank_command(topo, r, MASTER_PORT + len(optimizers), argv) for r in range(ranks)], logs)
+            run_ranks("bench comm", [rank_command(topo, r, MASTER_PORT + len(runs), argv) for r in range(ranks)], logs)
             comm = _last_json(logs[0])
 
-    logs = {name: read_run(out / name) for name in optimizers}
+    logs = {label: read_run(out / label) for label in runs}
     adam = logs[registry.BASELINE].final("val_loss") if registry.BASELINE in logs else None
     target = adam * (1 + margin) if adam is not None else None
-    rows = [summarize(logs[row["optimizer"]], target) | row for row in rows]
+    rows = [summarize(logs[row["label"]], target) | row for row in rows]
     add_speedups(rows)
     result |= {"adam_val_loss": adam, "target_margin": margin, "target_val_loss": target, "runs": rows, "comm": comm}
     (out / "netsim.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -426,7 +472,8 @@ def format_netsim(result: dict):
     rows = result["runs"]
     if rows:
         target = result["target_val_loss"]
-        title = f"{result['recipe']} on {result['ranks']} ranks, {result['bandwidth']} links, {latency}"
+        shape = f"{result['nodes']} nodes x {result['ranks_per_node']} ranks" if result.get("ranks_per_node", 1) > 1 else f"{result['ranks']} ranks"
+        title = f"{result['recipe']} on {shape}, {result['bandwidth']} links, {latency}"
         margin = f" + {result['target_margin']:.1%}" if result.get("target_margin") else ""
         caption = f"target: Adam's final val_loss{margin}, {target:.4f}; speed-ups against Adam; bytes sent: the optimizer's count, on the wire: the veth's" if target is not None else "no Adam run: no target, no speed-ups"  # fmt: skip
 
@@ -441,13 +488,15 @@ def format_netsim(result: dict):
             ("rounds", lambda r: f"{r['rounds']:,}"),
             ("bytes sent / rank", lambda r: format_bytes(r["bytes_sent_per_rank"])),
             ("bytes on the wire / rank", lambda r: format_bytes(r["wire_bytes_per_rank"])),
+            ("bytes between nodes / node", lambda r: format_bytes(r["wire_bytes_per_node"])),
             ("final val_loss", lambda r: "-" if r["final_val_loss"] is None else f"{r['final_val_loss']:.4f}"),
             ("wall time", lambda r: f"{r['wall_time_s']:.1f} s"),
             ("time to target", reached),
             ("speed-up: wall time", lambda r: _times(r["speedup_wall"])),
             ("speed-up: time to target", lambda r: _times(r["speedup_time_to_target"])),
         ]
-        parts.append(optimizer_table(title, caption, [(r["optimizer"], r) for r in rows], lines))
+        columns = [(r["optimizer"], r, r["topology"]) for r in rows]
+        parts.append(optimizer_table(title, caption, columns, lines))
     if result["comm"]:
         table = Table(title=f"bench comm over the same links: fp32 vs 1-bit allreduce, median of {result['comm']['repeats']}")
         for name in ("elements", "fp32 s", "1-bit s", "speed-up", "fp32 bytes / rank", "1-bit bytes / rank"):
@@ -456,4 +505,14 @@ def format_netsim(result: dict):
             table.add_row(f"{r['numel']:,}", f"{r['allreduce_fp32_s']:.4f}", f"{r['onebit_s']:.4f}", f"{r['speedup']:.2f}x",
                           format_bytes(r["fp32_bytes_per_rank"]), format_bytes(r["onebit_bytes_per_rank"]))  # fmt: skip
         parts.append(table)
+        rows = [r for r in result["comm"]["results"] if "node_aware_s" in r]
+        if rows:
+            table = Table(title=f"flat vs node-aware 1-bit allreduce over the same links, {result['nodes']} nodes x {result['ranks_per_node']} ranks, per call")
+            for name in ("elements", "flat s", "node-aware s", "node-aware vs flat", "flat between nodes / node", "node-aware between nodes / node"):
+                table.add_column(name, justify="right")
+            g = result["ranks_per_node"]
+            for r in rows:
+                table.add_row(f"{r['numel']:,}", f"{r['onebit_s']:.4f}", f"{r['node_aware_s']:.4f}", f"{r['onebit_s'] / r['node_aware_s']:.2f}x",
+                              format_bytes(g * r["onebit_inter_bytes_per_rank"]), format_bytes(g * r["node_aware_inter_bytes_per_rank"]))  # fmt: skip
+            parts.append(table)
     return Group(*parts)

@@ -207,12 +207,14 @@ def format_plan(result: dict[str, dict]) -> Table:
     return optimizer_table(title, caption, [(name, result[name]) for name in names], rows)
 
 
-def optimizer_table(title: str, caption: str | None, columns: list[tuple[str, dict]], lines: list[tuple[str, Callable[[dict], str]]]) -> Table:
-    """Optimizers side by side: one column per (optimizer name, its record), one row per (label, cell formatter)."""
+def optimizer_table(title: str, caption: str | None, columns: list[tuple], lines: list[tuple[str, Callable[[dict], str]]]) -> Table:
+    """Optimizers side by side: one column per (optimizer name, its record[, its sync topology]), one
+    row per (label, cell formatter)."""
     table = Table(title=title, caption=caption)
     table.add_column("")
-    for name, _ in columns:
-        table.add_column(registry.get(name).title, justify="right")
+    for name, _, *topology in columns:
+        variant = f" ({topology[0]})" if topology and topology[0] else ""
+        table.add_column(registry.get(name).title + variant, justify="right")
     for label, cell in lines:
-        table.add_row(label, *(cell(record) for _, record in columns))
+        table.add_row(label, *(cell(record) for _, record, *_ in columns))
     return table

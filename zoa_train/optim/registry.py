@@ -127,6 +127,7 @@ class OptimizerSpec:
     checks: Mapping[str, Check] = field(default_factory=dict)  # knob -> constraint
     plan_note: Callable[[dict], str] | None = None  # a line under the plan table, from its plan record
     colour: str = OTHER_COLOUR
+    uses_collective: bool = False  # its rounds go through BuildContext.collective, so comm.topology applies
 
     def knobs_from(self, values: object | Mapping) -> Any:
         """Its knobs taken from an object (a recipe's optimizer section) or a mapping; missing ones keep their defaults."""
@@ -247,7 +248,18 @@ def _plan_onebit_adam(ctx: PlanContext) -> PlanCounts:
     return PlanCounts(fp_allreduces=warmup, onebit_allreduces=ctx.steps - warmup, rounds=ctx.steps, syncs=ctx.steps, variance_updates=warmup)
 
 
-register(OptimizerSpec("onebit_adam", "1-bit Adam", _build_onebit_adam, _plan_onebit_adam, OneBitAdamKnobs, {"freeze_step": checks.positive}, colour="#e07b00"))
+register(
+    OptimizerSpec(
+        "onebit_adam",
+        "1-bit Adam",
+        _build_onebit_adam,
+        _plan_onebit_adam,
+        OneBitAdamKnobs,
+        {"freeze_step": checks.positive},
+        colour="#e07b00",
+        uses_collective=True,
+    )
+)
 
 
 @dataclass
@@ -339,5 +351,6 @@ register(
         },
         _note_zero_one_adam,
         colour="#1f6fc0",
+        uses_collective=True,
     )
 )
