@@ -196,7 +196,8 @@ def test_ledger_totals_for_a_known_sequence():
     assert (step2.bits_per_param, step2.round, step2.bytes_sent, step2.calls) == (0.0, False, 0, 0)
     assert step3.bits_per_param == 32 + 16 * 0.5
     assert step3.bytes_sent == 1000 * 4 + 500 * 2  # ring allreduce on 2 ranks sends N*size bytes
-    assert summary == {"steps": 3, "bits_per_param": (1 + 0 + 40) / 3, "rounds": 2, "bytes_sent": 136 + 5000, "collective_calls": 4}
+    assert summary == {"steps": 3, "bits_per_param": (1 + 0 + 40) / 3, "rounds": 2, "bytes_sent": 136 + 5000, "collective_calls": 4,
+        "intra_bits_per_param": 0.0, "intra_bytes_sent": 0}  # fmt: skip
 
 
 def _allocated(rank, world_size, numel):

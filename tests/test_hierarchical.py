@@ -79,6 +79,13 @@ def _cases(rank, world):
     bf16 = HierarchicalOneBitAllReduce(SIZES, nodes=two_by_two, ledger=ledger(), intra_dtype=torch.bfloat16)
     results["2x2 bf16"] = _calls(bf16, rank, 1)
 
+    # Tensors of just the buffers' elements (packed) are averaged as their laid-out buffers are.
+    laid_out, packed = (HierarchicalOneBitAllReduce(SIZES, nodes=two_by_two, ledger=ledger()) for _ in range(2))
+    x = _inputs(rank, 0, laid_out)
+    packed_x = [torch.cat([b[o : o + n] for o, n in zip(l.offsets, l.sizes)]) for b, l in zip(x, laid_out.layouts)]
+    out = laid_out.op([b.clone() for b in x])
+    results["packed"] = [torch.cat([b[o : o + n] for o, n in zip(l.offsets, l.sizes)]) for b, l in zip(out, laid_out.layouts)], packed.op(packed_x)
+
     # Error feedback: the running mean of many calls on a fixed input approaches its exact mean.
     fixed = HierarchicalOneBitAllReduce(SIZES, nodes=two_by_two, ledger=ledger())
     x = _inputs(rank, 0, fixed)
@@ -105,6 +112,11 @@ def _cases(rank, world):
         results["flat refuses"] = None
     except TopologyChanged as e:
         results["flat refuses"] = str(e)
+    try:
+        cyclic.load_state_dicts(original.state_dicts())  # the same shape, other ranks on each node
+        results["regrouped refuses"] = None
+    except TopologyChanged as e:
+        results["regrouped refuses"] = str(e)
     try:
         one_node.load_state_dicts(original.state_dicts())
         results["other shape refuses"] = None
@@ -145,6 +157,12 @@ def test_every_rank_ends_with_the_same_average_close_to_the_exact_one(ranks):
     for key in ("2x2", "cyclic", "2x2 bf16"):
         error = _relative_error(ranks[0][key][0], ranks[0]["2x2 exact"][0])
         assert error < 1.1 * flat, f"{key}: relative error {error:.3f}, flat {flat:.3f}"
+
+
+def test_packed_tensors_are_averaged_as_their_laid_out_buffers(ranks):
+    for rank in ranks:
+        for a, b in zip(*rank["packed"]):
+            assert torch.equal(a, b)
 
 
 def test_the_output_padding_is_zero(ranks):
@@ -195,6 +213,7 @@ def test_a_restored_collective_continues_exactly_and_another_topology_is_refused
             assert torch.equal(a, b)
         assert "node-aware 1-bit sync over 2 nodes x 2 ranks" in rank["flat refuses"] and "--reshard" in rank["flat refuses"]
         assert "1 nodes x 4 ranks" in rank["other shape refuses"]
+        assert "nodes [[0, 1], [2, 3]]" in rank["regrouped refuses"] and "nodes [[0, 2], [1, 3]]" in rank["regrouped refuses"]
 
 
 def test_between_nodes_a_rank_sends_a_node_share_of_the_flat_bytes(ranks):
@@ -203,7 +222,7 @@ def test_between_nodes_a_rank_sends_a_node_share_of_the_flat_bytes(ranks):
     # flat: 2 passes x 3 peers x a quarter of the buffer; node-aware: 2 passes x 1 peer x a quarter.
     assert inter_bytes * 3 == pytest.approx(flat_bytes, rel=0.02)
     assert by_kind["onebit_allreduce"]["calls"] == 2 * 3 and by_kind["onebit_allreduce"]["bytes_sent"] == 3 * inter_bytes
-    assert by_kind["intra_reduce_scatter_float32"]["bytes_sent"] + by_kind["intra_all_gather_float32"]["bytes_sent"] == 3 * intra_bytes
+    assert by_kind["intra_allreduce_float32"]["bytes_sent"] == 3 * intra_bytes and by_kind["intra_allreduce_float32"]["calls"] == 2 * 3
     # each of a node's ranks compresses its shard: together the whole buffer, in each of the 3 calls
     assert sum(ranks[r]["2x2 ledger"][0]["onebit_allreduce"]["elements"] for r in (0, 1)) == 3 * NUMEL
 
@@ -250,3 +269,12 @@ def test_nodes_are_found_from_names_and_uneven_layouts_are_handled():
     with pytest.raises(UserError, match="unequal numbers of ranks"):
         choose("hierarchical", [[0, 1, 2], [3]])
     assert describe([[0, 1, 2], [3]]) == "2 nodes x 1/3 ranks"
+
+
+def test_one_process_gets_the_flat_allreduce_whatever_the_topology():
+    # without torch.distributed: nothing to send, so no node groups to build
+    for topology in ("auto", "flat", "hierarchical"):
+        built = ClusterCollective(topology)(SIZES, group=None, device=torch.device("cpu"), ledger=CommLedger(num_params=NUMEL))
+        assert type(built) is OneBitAllReduce
+        x = [torch.randn(layout.padded) for layout in built.layouts]
+        assert all(torch.equal(a, b) for a, b in zip(built.op([t.clone() for t in x]), x))

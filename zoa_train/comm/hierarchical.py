@@ -17,14 +17,22 @@ with N = 1 it is the exact average (no compression).
 """
 
 import functools
-from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
 from zoa_train.comm.collectives import default_ledger, group_size_rank, ring_allreduce_bytes
 from zoa_train.comm.ledger import CommLedger
-from zoa_train.comm.onebit import SCALE_ROW, OneBitAllReduce, OneBitLayout, _buffer_sizes, _group_device, check_topology, onebit_layout, relayout
+from zoa_train.comm.onebit import (
+    SCALE_ROW,
+    LaidOutCollective,
+    OneBitAllReduce,
+    OneBitLayout,
+    _buffer_sizes,
+    _group_device,
+    check_topology,
+    onebit_layout,
+)
 from zoa_train.comm.topology import NodeGroups, choose, describe, discover_nodes, node_groups
 
 # torch 2.14 names it all_gather_single and deprecates all_gather_into_tensor; older releases have only that.
@@ -45,7 +53,7 @@ def shard_layout(layout: OneBitLayout, index: int, parts: int) -> OneBitLayout:
     return OneBitLayout(tuple(sizes), tuple(offsets), k * layout.chunk, layout.chunk, layout.rows, layout.row, layout.segment)
 
 
-class HierarchicalOneBitAllReduce:
+class HierarchicalOneBitAllReduce(LaidOutCollective):
     """A Collective (zoa_train/comm/protocol.py) that averages flat buffers over `nodes` (a NodeGroups
     of the world: zoa_train.comm.topology.node_groups): full precision inside each node, 1-bit
     error-compensated between nodes. A factory for the optimizers is
@@ -87,14 +95,17 @@ class HierarchicalOneBitAllReduce:
         n, g = nodes.nodes, nodes.ranks_per_node
         self._shards = [n * l.chunk if l.active else 0 for l in self.layouts]  # elements of each buffer's shard
         self._shard_total = sum(self._shards)
+        self._scratch: dict = {}  # LaidOutCollective.op's, for packed tensors
         self._pending = torch.zeros(sum(l.padded for l in self.layouts), device=self.device)
         self._accumulators = list(self._pending.split([l.padded for l in self.layouts]))
         if g > 1:
-            self._send = torch.zeros(g * self._shard_total, dtype=intra_dtype, device=self.device)  # ordered by destination
             self._shard = torch.zeros(self._shard_total, device=self.device)  # this rank's shard of every buffer
-            self._gathered = torch.zeros(g * self._shard_total, device=self.device)  # ordered by source
-            # what the node's ranks send this rank: in _gathered (free until the all-gather) when fp32
-            self._received = self._gathered if intra_dtype == torch.float32 else torch.zeros_like(self._send)
+            self._gathered = torch.zeros(g * self._shard_total, device=self.device)  # the all-gather's, ordered by source
+            # The all-to-all inside the node sends from _gathered (free until the all-gather), ordered by
+            # destination, and receives into _pending (free once copied out): no buffers of its own.
+            elements = g * self._shard_total
+            self._send = self._gathered.view(intra_dtype)[:elements]
+            self._received = self._pending[:elements].view(intra_dtype)[:elements]
         active = [l for l in self.layouts if l.active]
         self._inter = None
         if n > 1 and active:
@@ -122,26 +133,6 @@ class HierarchicalOneBitAllReduce:
         element = torch.finfo(self.intra_dtype).bits // 8
         return ring_allreduce_bytes(g * self._shard_total, element + 4, g) // 2
 
-    def op(self, tensor: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
-        """Average buffers in their layouts (`layout.padded` elements each) in place and return them."""
-        tensors = self._per_buffer(tensor)
-        for t, layout in zip(tensors, self.layouts):
-            if t.numel() != layout.padded or not t.is_contiguous():
-                raise ValueError(f"HierarchicalOneBitAllReduce.op takes contiguous buffers in its layout ({layout.padded} elements), got {t.numel()}")
-        if self.world_size > 1:
-            flat = [t.view(-1) for t in tensors]
-            self.exchange(out=flat, addend=flat)
-        return tensor
-
-    def _per_buffer(self, tensors) -> list[torch.Tensor]:
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        if len(tensors) != len(self.layouts):
-            raise ValueError(f"this HierarchicalOneBitAllReduce has {len(self.layouts)} buffers, got {len(tensors)} tensors")
-        for t in tensors:
-            if t.device != self.device:
-                raise ValueError(f"HierarchicalOneBitAllReduce's buffers are on {self.device}, got a tensor on {t.device}")
-        return tensors
-
     def exchange(self, out, addend=None):
         """Average accumulator (+ addend) of every buffer into `out` (buffers in the layouts; their
         padding is zero afterwards), empty the accumulators, and return `out`."""
@@ -160,7 +151,6 @@ class HierarchicalOneBitAllReduce:
         if self._inter is not None:
             self._inter.exchange(out=shards, addend=shards)  # the shard's average over the nodes, in place
         if g > 1:
-            self._pending.zero_()
             self._gather_inside_node(outs)
         else:
             for o, acc in zip(outs, self._accumulators):
@@ -187,14 +177,7 @@ class HierarchicalOneBitAllReduce:
         dist.all_to_all_single(self._received, self._send, group=self.nodes.intra)
         torch.sum(self._received.view(g, -1), dim=0, dtype=torch.float32, out=self._shard)
         self._shard.mul_(1.0 / g)
-        bits = torch.finfo(self.intra_dtype).bits
-        self.ledger.record(
-            f"intra_reduce_scatter_{str(self.intra_dtype).removeprefix('torch.')}",
-            payload_bits=bits,
-            elements=self.numel,
-            bytes_sent=ring_allreduce_bytes(self._send.numel(), bits // 8, g) // 2,
-            link="intra",
-        )
+        self._pending.zero_()  # the accumulators are empty again (and the received values gone)
         return list(self._shard.split([size for size in self._shards if size]))
 
     def _gather_inside_node(self, outs: list[torch.Tensor]) -> None:
@@ -205,12 +188,23 @@ class HierarchicalOneBitAllReduce:
         for o, size in zip(outs, self._shards):
             if not size:  # an inactive buffer (no elements) has nothing to average
                 o.zero_()
+        # The reduce-scatter and the all-gather are the two halves of an allreduce, counted as one: its
+        # payload bits the mean of the halves' (32 in fp32, 24 with a bf16 reduce-scatter), as a flat
+        # allreduce counts once, and the bytes of both.
+        bits = torch.finfo(self.intra_dtype).bits
         self.ledger.record(
-            "intra_all_gather_float32", payload_bits=32, elements=self.numel, bytes_sent=ring_allreduce_bytes(self._gathered.numel(), 4, g) // 2, link="intra"
+            f"intra_allreduce_{str(self.intra_dtype).removeprefix('torch.')}",
+            payload_bits=(bits + 32) // 2,
+            elements=self.numel,
+            bytes_sent=self.intra_bytes_per_call,
+            calls=2,
+            link="intra",
         )
 
     def _topology(self) -> dict:
-        return {"nodes": self.nodes.nodes, "ranks_per_node": self.nodes.ranks_per_node, "local_rank": self.nodes.local_rank}
+        """What a saved state must match: the shape and which ranks share a node (the same on every
+        rank, so all of them accept a checkpoint or all refuse it)."""
+        return {"nodes": self.nodes.nodes, "ranks_per_node": self.nodes.ranks_per_node, "members": [list(m) for m in self.nodes.members]}
 
     def state_dicts(self) -> list[dict]:
         """One state per buffer: the shard's error buffers (flat allreduce state) and anything added
@@ -244,14 +238,6 @@ class HierarchicalOneBitAllReduce:
         if self._inter is not None:
             self._inter.load_state_dicts(shard_states)
 
-    def layout_state(self) -> list[dict]:
-        """Where each buffer's tensors lie (see OneBitAllReduce.layout_state)."""
-        return [{"world_size": self.world_size, "offsets": list(l.offsets), "padded": l.padded} for l in self.layouts]
-
-    def relayout(self, flat: torch.Tensor, index: int, saved: dict) -> torch.Tensor:
-        """Buffer `index` saved in another layout, laid out anew in this one (for --reshard)."""
-        return relayout(flat, self.layouts[index], saved, self.scale_row)
-
 
 class ClusterCollective:
     """The CollectiveFactory of a recipe's comm section: on its first call (a collective, made when a
@@ -270,7 +256,7 @@ class ClusterCollective:
         if world > 1 and group is not None and world != dist.get_world_size():
             raise ValueError("ClusterCollective finds nodes among all ranks: use it with the world's process group")
         nodes = discover_nodes(self.ranks_per_node) if world > 1 else [[0]]
-        kind = choose(self.topology, nodes)
+        kind = choose(self.topology, nodes) if world > 1 else "flat"  # one process: nothing is sent either way
         self.fell_back = self.topology == "auto" and kind == "flat" and len({len(n) for n in nodes}) > 1
         self.chosen = f"{kind} 1-bit sync, {describe(nodes)}"
         if kind == "flat":

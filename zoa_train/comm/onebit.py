@@ -247,7 +247,69 @@ def _group_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-class OneBitAllReduce:
+class LaidOutCollective:
+    """What a collective of buffers in 1-bit layouts does the same whatever its topology: `op` on
+    buffers in the layouts or packed, and moving saved buffers between layouts. A subclass sets
+    `layouts`, `device`, `world_size`, `scale_row` and `_scratch` (a dict) and defines `exchange`."""
+
+    def op(self, tensor: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
+        """Average `tensor` in place over the group, error-compensated, and return it; a list of
+        tensors for several buffers, one each.
+
+        A tensor may hold just the buffer's `numel` elements (its tensors back to back, any length:
+        it is padded and unpadded here, through a scratch buffer kept for the next call) or be a
+        buffer already in the layout (`layout.padded` elements), which is the optimizers' fast path
+        with no copy. Non-finite values make the output rows they fall in non-finite, on every rank
+        alike, and those rows' errors restart at zero: the next finite call is unaffected."""
+        tensors = self._per_buffer(tensor)
+        for t, layout in zip(tensors, self.layouts):
+            if t.numel() not in (layout.padded, layout.numel):
+                raise ValueError(f"this {type(self).__name__} averages {layout.numel} elements (or {layout.padded} in its layout), got a tensor of {t.numel()}")
+            if layout.active and not t.is_contiguous():
+                raise ValueError(f"{type(self).__name__}.op needs a contiguous tensor")
+        if self.world_size < 2:
+            return tensor
+        flat = [t.view(-1) if t.numel() == layout.padded else self._laid_out(t.view(-1), i) for i, (t, layout) in enumerate(zip(tensors, self.layouts))]
+        self.exchange(out=flat, addend=flat)
+        for i, (t, buffer) in enumerate(zip(tensors, flat)):
+            if t.numel() != buffer.numel():
+                torch._foreach_copy_(list(t.view(-1).split(self.layouts[i].sizes)), self._views(buffer, i))
+        return tensor
+
+    def _laid_out(self, packed: torch.Tensor, index: int) -> torch.Tensor:
+        """`packed` (buffer `index`'s tensors back to back) copied into a padded scratch buffer in its layout."""
+        key = (index, packed.dtype)
+        if key not in self._scratch:
+            self._scratch[key] = torch.zeros(self.layouts[index].padded, dtype=packed.dtype, device=self.device)
+        buffer = self._scratch[key]
+        torch._foreach_copy_(self._views(buffer, index), list(packed.split(self.layouts[index].sizes)))
+        return buffer
+
+    def _views(self, buffer: torch.Tensor, index: int) -> list[torch.Tensor]:
+        layout = self.layouts[index]
+        return [buffer[offset : offset + size] for offset, size in zip(layout.offsets, layout.sizes)]
+
+    def _per_buffer(self, tensors) -> list[torch.Tensor]:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if len(tensors) != len(self.layouts):
+            raise ValueError(f"this {type(self).__name__} has {len(self.layouts)} buffers, got {len(tensors)} tensors")
+        for t in tensors:
+            if t.device != self.device:
+                raise ValueError(f"{type(self).__name__}'s buffers are on {self.device}, got a tensor on {t.device}")
+        return tensors
+
+    def layout_state(self) -> list[dict]:
+        """Where each buffer's tensors lie, per buffer: what `relayout` needs to read a buffer saved in
+        this layout back at another world size (optimizers save it with their flat state)."""
+        return [{"world_size": self.world_size, "offsets": list(l.offsets), "padded": l.padded} for l in self.layouts]
+
+    def relayout(self, flat: torch.Tensor, index: int, saved: dict) -> torch.Tensor:
+        """Buffer `index` as saved in another layout (an entry of `layout_state()` of that run), laid
+        out anew in this one (see `relayout`)."""
+        return relayout(flat, self.layouts[index], saved, self.scale_row)
+
+
+class OneBitAllReduce(LaidOutCollective):
     """Averages flat buffers in their layouts over a process group with 1-bit error-compensated compression.
 
     `sizes`: the sizes of the tensors one buffer holds (or one size), or a list of such lists for
@@ -390,52 +452,6 @@ class OneBitAllReduce:
         """The server error e_s of this rank's chunks, as a new tensor."""
         return self._server.clone()
 
-    def op(self, tensor: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
-        """Average `tensor` in place over the group, error-compensated, and return it; a list of
-        tensors for several buffers, one each.
-
-        A tensor may hold just the buffer's `numel` elements (its tensors back to back, any length:
-        it is padded and unpadded here, through a scratch buffer kept for the next call) or be a
-        buffer already in the layout (`layout.padded` elements), which is the optimizers' fast path
-        with no copy. Non-finite values make the output rows they fall in non-finite, on every rank
-        alike, and those rows' errors restart at zero: the next finite call is unaffected."""
-        tensors = self._per_buffer(tensor)
-        for t, layout in zip(tensors, self.layouts):
-            if t.numel() not in (layout.padded, layout.numel):
-                raise ValueError(f"this OneBitAllReduce averages {layout.numel} elements (or {layout.padded} in its layout), got a tensor of {t.numel()}")
-            if layout.active and not t.is_contiguous():
-                raise ValueError("OneBitAllReduce.op needs a contiguous tensor")
-        if self.world_size < 2:
-            return tensor
-        flat = [t.view(-1) if t.numel() == layout.padded else self._laid_out(t.view(-1), i) for i, (t, layout) in enumerate(zip(tensors, self.layouts))]
-        self.exchange(out=flat, addend=flat)
-        for i, (t, buffer) in enumerate(zip(tensors, flat)):
-            if t.numel() != buffer.numel():
-                torch._foreach_copy_(list(t.view(-1).split(self.layouts[i].sizes)), self._views(buffer, i))
-        return tensor
-
-    def _laid_out(self, packed: torch.Tensor, index: int) -> torch.Tensor:
-        """`packed` (buffer `index`'s tensors back to back) copied into a padded scratch buffer in its layout."""
-        key = (index, packed.dtype)
-        if key not in self._scratch:
-            self._scratch[key] = torch.zeros(self.layouts[index].padded, dtype=packed.dtype, device=self.device)
-        buffer = self._scratch[key]
-        torch._foreach_copy_(self._views(buffer, index), list(packed.split(self.layouts[index].sizes)))
-        return buffer
-
-    def _views(self, buffer: torch.Tensor, index: int) -> list[torch.Tensor]:
-        layout = self.layouts[index]
-        return [buffer[offset : offset + size] for offset, size in zip(layout.offsets, layout.sizes)]
-
-    def _per_buffer(self, tensors) -> list[torch.Tensor]:
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        if len(tensors) != len(self.layouts):
-            raise ValueError(f"this OneBitAllReduce has {len(self.layouts)} buffers, got {len(tensors)} tensors")
-        for t in tensors:
-            if t.device != self.device:
-                raise ValueError(f"OneBitAllReduce's buffers are on {self.device}, got a tensor on {t.device}")
-        return tensors
-
     def exchange(self, out, addend=None):
         """Compress accumulator + error (+ addend), run both passes, write the average to `out`
         (each a buffer in the layout, or a list of them, one per buffer; the padding of `out` is
@@ -556,16 +572,6 @@ class OneBitAllReduce:
             self._server[server : server + chunk].copy_(state["server_error"])
             server += chunk
 
-    def layout_state(self) -> list[dict]:
-        """Where each buffer's tensors lie, per buffer: what `relayout` needs to read a buffer saved in
-        this layout back at another world size (optimizers save it with their flat state)."""
-        return [{"world_size": self.world_size, "offsets": list(l.offsets), "padded": l.padded} for l in self.layouts]
-
-    def relayout(self, flat: torch.Tensor, index: int, saved: dict) -> torch.Tensor:
-        """Buffer `index` as saved in another layout (an entry of `layout_state()` of that run), laid
-        out anew in this one (see `relayout`)."""
-        return relayout(flat, self.layouts[index], saved, self.scale_row)
-
     def state_dict(self) -> dict:
         """The state of the only buffer (see `state_dicts`)."""
         return self.state_dicts()[self._only()]
@@ -597,10 +603,12 @@ class TopologyChanged(ValueError):
 
 
 def describe_topology(topology) -> str:
-    """'flat', or 'hierarchical (N nodes x G ranks)' for a saved topology entry."""
+    """A saved topology entry in words: "flat 1-bit sync" or "node-aware 1-bit sync over N nodes x G
+    ranks (nodes [[0, 1], [2, 3]])"."""
     if topology == "flat":
         return "flat 1-bit sync"
-    return f"node-aware 1-bit sync over {topology['nodes']} nodes x {topology['ranks_per_node']} ranks"
+    members = f" (nodes {topology['members']})" if "members" in topology else ""
+    return f"node-aware 1-bit sync over {topology['nodes']} nodes x {topology['ranks_per_node']} ranks{members}"
 
 
 def check_topology(state: dict, expected) -> None:

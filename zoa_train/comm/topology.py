@@ -81,6 +81,7 @@ class NodeGroups:
     intra: object  # this node's ranks (a ProcessGroup)
     inter: object  # the ranks with this local rank, one per node
     mesh: object  # the DeviceMesh that holds both
+    members: tuple[tuple[int, ...], ...] = ()  # the ranks of each node
 
     @property
     def world_size(self) -> int:
@@ -101,4 +102,5 @@ def node_groups(nodes: Sequence[Sequence[int]], device_type: str = "cpu") -> Nod
     mesh = DeviceMesh(device_type, torch.tensor([list(node) for node in nodes]), mesh_dim_names=("node", "local"))
     rank = dist.get_rank()
     node = next(i for i, ranks in enumerate(nodes) if rank in ranks)
-    return NodeGroups(len(nodes), len(nodes[0]), node, list(nodes[node]).index(rank), mesh.get_group("local"), mesh.get_group("node"), mesh)
+    members = tuple(tuple(ranks) for ranks in nodes)
+    return NodeGroups(len(nodes), len(nodes[0]), node, list(nodes[node]).index(rank), mesh.get_group("local"), mesh.get_group("node"), mesh, members)
