@@ -206,6 +206,10 @@ BAD_RECIPES = {
     "batch layout": (lambda r: r["train"].update(global_batch_size=30), "not divisible by micro_batch_size x world size"),
     "missing file": (lambda r: r["data"].update(source="files", train_files=["/nonexistent/corpus.txt"]), "data file /nonexistent/corpus.txt does not exist"),
     "bad choice": (lambda r: r["optimizer"].update(name="sgd"), f"optimizer.name must be one of {', '.join(registry.names())}"),
+    "emulated nodes that do not divide": (
+        lambda r: r.setdefault("comm", {}).update(ranks_per_node=3),
+        "comm.ranks_per_node 3 does not divide the 2 ranks into whole nodes",
+    ),
     "nccl without GPUs": (lambda r: r["train"].update(backend="nccl"), f"2 ranks need 2 GPUs and this machine has {torch.cuda.device_count()}"),
 }
 

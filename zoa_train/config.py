@@ -347,8 +347,11 @@ def _check(recipe: Recipe, origin: str) -> None:
 
 
 def check_batch_layout(recipe: Recipe, world_size: int, origin: str = "recipe") -> int:
-    """Gradient-accumulation steps for this world size; refuses a global batch that does not divide."""
-    t = recipe.train
+    """Gradient-accumulation steps for this world size; refuses a global batch, or emulated nodes
+    (comm.ranks_per_node), that do not divide it."""
+    t, g = recipe.train, recipe.comm.ranks_per_node
+    if g and world_size % g:
+        raise UserError(f"{origin}: comm.ranks_per_node {g} does not divide the {world_size} ranks into whole nodes.")
     per_step = t.micro_batch_size * world_size
     if t.global_batch_size % per_step:
         raise UserError(
