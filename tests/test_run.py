@@ -102,19 +102,11 @@ def test_gpt2_tiny_runs_end_to_end_and_resumes_exactly(tmp_path, cache_dir):
     assert other.returncode == 2 and "cannot resume from" in other.stderr and "Traceback" not in other.stderr, other.stderr[-3000:]
 
 
-def test_two_emulated_nodes_of_two_ranks_sync_node_aware_and_resume_exactly(tmp_path, cache_dir):
-    # 4 ranks as 2 nodes x 2 (comm.ranks_per_node: one machine, one hostname); the checkpoint at
-    # step 4 lies inside a local-step period, so the node-aware sync's per-rank state must carry it.
-    knobs = short(
-        cache_dir,
-        8,
-        "train.checkpoint_every=4",
-        "train.micro_batch_size=8",
-        "optimizer.var_freeze_step=2",
-        "optimizer.local_steps=fixed",
-        "optimizer.local_step_interval=3",
-        "comm.ranks_per_node=2",
-    )
+def test_two_emulated_nodes_of_two_ranks_sync_node_aware_and_reshard_to_flat(tmp_path, cache_dir):
+    # 4 ranks as 2 nodes x 2 (comm.ranks_per_node: one machine, one hostname). Exact resume under the
+    # node-aware sync is tests/test_optim.py's (2 x 2, inside a local-step period); here the trainer's
+    # part: the sync it reports and logs, and a checkpoint continued under another topology.
+    knobs = short(cache_dir, 4, "train.micro_batch_size=8", "optimizer.var_freeze_step=2", "comm.ranks_per_node=2")
     first = tmp_path / "first"
     done = zoa("run", "recipes/gpt2_tiny.yaml", "--nproc", "4", "--out", str(first), *knobs)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -122,23 +114,14 @@ def test_two_emulated_nodes_of_two_ranks_sync_node_aware_and_resume_exactly(tmp_
     records = metrics(first)
     assert records[-1]["intra_bytes_sent"] > 0 and 0 < records[-1]["bits_per_param"]
 
-    second = tmp_path / "second"
-    checkpoint = str(first / "checkpoints" / "step_00000004")
-    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--nproc", "4", "--out", str(second), "--resume", checkpoint, *knobs)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r["loss"] for r in metrics(second)] == [r["loss"] for r in records[4:]]
-    a = torch.load(first / "checkpoints" / "step_00000008" / "model.pt")
-    b = torch.load(second / "checkpoints" / "step_00000008" / "model.pt")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-    # Another topology cannot take over the error buffers: refused in one sentence, or with --reshard
-    # continued with them at zero (from a synchronised step, the run's last).
-    end, flat = str(first / "checkpoints" / "step_00000008"), [*knobs, "--set", "comm.topology=flat", "--set", "train.steps=9"]
-    refused = zoa("run", "recipes/gpt2_tiny.yaml", "--nproc", "4", "--out", str(tmp_path / "flat"), "--resume", end, *flat)
-    assert refused.returncode == 2 and "--reshard" in refused.stderr and "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    # Another topology cannot take over the error buffers: with --reshard the run continues with them
+    # at zero (without it, one sentence: TopologyChanged, tests/test_hierarchical.py).
+    end = str(first / "checkpoints" / "step_00000004")
+    flat = [*knobs, "--set", "comm.topology=flat", "--set", "train.steps=5"]
     resharded = zoa("run", "recipes/gpt2_tiny.yaml", "--nproc", "4", "--out", str(tmp_path / "resharded"), "--resume", end, "--reshard", *flat)
     assert resharded.returncode == 0, resharded.stderr[-3000:]
-    assert "another 1-bit sync topology" in resharded.stderr and [r["step"] for r in metrics(tmp_path / "resharded")] == [9]
+    assert "another 1-bit sync topology" in resharded.stderr and [r["step"] for r in metrics(tmp_path / "resharded")] == [5]
+    assert "hierarchical" not in resharded.stdout and metrics(tmp_path / "resharded")[-1]["intra_bytes_sent"] == records[-1]["intra_bytes_sent"]
 
 
 @pytest.mark.parametrize("optimizer", ["adam", "onebit_adam"])
