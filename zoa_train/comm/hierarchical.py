@@ -29,8 +29,8 @@ from zoa_train.comm.onebit import (
     OneBitAllReduce,
     OneBitLayout,
     _buffer_sizes,
-    _group_device,
     check_topology,
+    collective_device,
     onebit_layout,
 )
 from zoa_train.comm.topology import NodeGroups, choose, describe, discover_nodes, node_groups
@@ -86,9 +86,7 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         if intra_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"intra_dtype must be torch.float32 or torch.bfloat16, got {intra_dtype}")
         self.nodes, self.intra_dtype, self.scale_row = nodes, intra_dtype, scale_row
-        self.device = torch.device(device) if device is not None else _group_device(group)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = collective_device(device, group)
         self.ledger = ledger if ledger is not None else default_ledger()
         self.layouts = [onebit_layout(s, self.world_size, scale_row) for s in _buffer_sizes(sizes)]
         self.numel = sum(l.numel for l in self.layouts)

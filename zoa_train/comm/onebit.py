@@ -240,6 +240,14 @@ def _wire_views(wire: torch.Tensor, column: int, layout: OneBitLayout) -> tuple[
     return part[:, :packed], part[:, packed:].view(torch.float32)
 
 
+def collective_device(device: torch.device | str | None, group) -> torch.device:
+    """Where a collective keeps its buffers: `device`, else the process group's; a CUDA device with its index."""
+    device = torch.device(device) if device is not None else _group_device(group)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _group_device(group) -> torch.device:
     """Where a process group's collectives want their tensors: the current CUDA device for NCCL."""
     if dist.is_available() and dist.is_initialized() and "nccl" in str(dist.get_backend(group)):
@@ -338,9 +346,7 @@ class OneBitAllReduce(LaidOutCollective):
     ):
         self.group = group
         self.world_size, self.rank = group_size_rank(group)
-        self.device = torch.device(device) if device is not None else _group_device(group)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.device = collective_device(device, group)
         self.ledger = ledger if ledger is not None else default_ledger()
         self.scale_row = scale_row
         if layouts is None:
