@@ -19,13 +19,13 @@ import pytest
 
 from zoa_train.bench import netsim
 from zoa_train.errors import UserError
-from zoa_train.runs import RunLog, read_run
+from zoa_train.runs import RunLog, mean_step_seconds, read_run, step_seconds_by_kind
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {
     "optimizer", "run_dir", "steps", "median_step_s", "tokens_per_s", "bits_per_param", "rounds", "bytes_sent_per_rank",
     "wire_bytes_per_rank", "final_loss", "final_val_loss", "wall_time_s", "time_to_target_s", "step_to_target",
-    "speedup_wall", "speedup_time_to_target", "label", "topology", "wire_bytes_per_node",
+    "speedup_wall", "speedup_time_to_target", "label", "topology", "wire_bytes_per_node", "mean_step_s", "step_s_by_kind",
 }  # fmt: skip
 
 
@@ -108,6 +108,18 @@ def test_optimizers_are_checked_and_adam_runs_first():
     for bad in ("adam,sgd", "adam,adam", ""):
         with pytest.raises(UserError, match="--optimizers"):
             netsim.parse_optimizers(bad)
+
+
+def test_step_seconds_by_kind_are_recovered_from_the_windows():
+    seconds = {"v": 0.5, "s": 0.3, "l": 0.1}
+    windows = ["vvvvv", "vvsvs", "vlsls", "llsll", "lllls", "ssss"]
+    records = [{"step": 5 * (i + 1), "step_kinds": kinds, "train_s": sum(seconds[k] for k in kinds)} for i, kinds in enumerate(windows)]
+    records[0]["train_s"] = 30.0  # start-up: left out
+    records.insert(2, {"step": 10, "val_loss": 3.0})  # a validation-only record: no window
+    fitted = step_seconds_by_kind(records)
+    assert fitted.keys() == seconds.keys() and all(abs(fitted[k] - seconds[k]) < 1e-12 for k in seconds)
+    assert abs(mean_step_seconds(records) - sum(r["train_s"] for r in records[1:] if "train_s" in r) / 24) < 1e-12
+    assert step_seconds_by_kind([]) == {} and mean_step_seconds([]) is None
 
 
 def test_step_time_time_to_target_and_speedups():

@@ -14,7 +14,7 @@ from rich.console import Console
 from zoa_train.config import load_recipe
 from zoa_train.errors import UserError
 from zoa_train.optim import LRSchedule, ZeroOneAdam
-from zoa_train.optim.plan import format_plan, onebit_call_bytes, parse_bandwidth, parse_latency, plan
+from zoa_train.optim.plan import Cluster, StepCosts, ddp_exposed_time, format_plan, onebit_call_bytes, parse_bandwidth, parse_latency, plan
 from zoa_train.optim.registry import zero_one_step_kinds
 from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
 
@@ -187,6 +187,11 @@ def test_zero_steps_and_bad_arguments():
         dict(latency_s=-1.0),
         dict(local_steps="sometimes"),
         dict(local_step_clip=0),
+        dict(world_size=4, ranks_per_node=3),
+        dict(backend="mpi"),
+        dict(intra_bandwidth_bytes_per_s=0),
+        dict(costs=StepCosts(0.0)),
+        dict(costs=StepCosts(1.0, backward_fraction=1.5)),
     ):
         with pytest.raises(UserError):
             small_plan(**overrides)
@@ -240,6 +245,84 @@ def test_format_plan_shows_the_three_optimizers():
     for word in ("Adam", "1-bit Adam", "0/1 Adam", "|T_v|", "rounds", "syncs", "bits / param", "bytes / rank", "comm time", "vs Adam"):
         assert word in text
     assert "4.14 kB" in text and "12.00 kB" in text
+
+
+def test_two_nodes_of_two_ranks_by_hand():
+    """1,000 parameters on 2 nodes x 2 ranks, fp32, alpha 1 ms, beta 1 MB/s per node, nothing limits
+    inside a node.
+
+    Ring allreduce over 4 ranks: every link of the ring, the node's too, carries 2*3*1000*4/4 = 6,000
+    bytes; 6 messages.
+    Flat 1-bit call over 4 ranks: 250 per rank -> a row of 256, segment 256/8 + 4 = 36 bytes. The
+    all-to-all sends 2 segments from each of a node's 2 ranks off the node (144 bytes); Gloo's
+    all-gather as many, NCCL's ring 3 segments (108 bytes). 3 messages per pass.
+    Node-aware: a shard of 500 among 2 ranks, a row of 256 again (36 bytes): each local rank sends 1
+    segment per pass off the node, the node's 2 local ranks 72 bytes per pass over the node's link
+    at once (each at half its rate); 1 message per pass. Inside the node, 500 fp32 out and 500 back."""
+    gloo = small_plan(world_size=4, ranks_per_node=2, backend="gloo", steps=2)  # 1-bit Adam: an fp32 step, a 1-bit one
+    nccl = small_plan(world_size=4, ranks_per_node=2, backend="nccl", steps=2)
+    fp_time = 6e-3 + 6000 / 1e6
+    adam = gloo["adam"]
+    assert adam["inter_bytes_per_node"] == 2 * 6000 and adam["comm_time_s"] == pytest.approx(2 * fp_time)
+    onebit, node_aware = gloo["onebit_adam"], gloo["onebit_adam"]["hierarchical"]
+    assert onebit["inter_bytes_per_node"] == 6000 + 288 and onebit["bytes_per_rank"] == 6000 + 6 * 36
+    assert onebit["comm_time_s"] == pytest.approx(fp_time + 2 * (3e-3 + 144 / 1e6))
+    assert nccl["onebit_adam"]["inter_bytes_per_node"] == 6000 + 144 + 108
+    assert node_aware["inter_bytes_per_node"] - 6000 == 144 == (onebit["inter_bytes_per_node"] - 6000) / 2  # 1/G of flat's
+    assert node_aware["bytes_per_rank"] == 6000 + 72 and node_aware["intra_bytes_per_rank"] == 500 * 4 + 500 * 4
+    assert node_aware["comm_time_s"] == pytest.approx(fp_time + 2 * (1e-3 + 72 / 1e6))
+    assert "hierarchical" not in adam and "hierarchical" not in small_plan(world_size=4, ranks_per_node=4)["onebit_adam"]
+
+
+def test_a_finite_intra_node_link_costs_the_node_aware_call_its_full_precision():
+    args = dict(world_size=4, ranks_per_node=2, steps=2, latency_s=0.0)
+    free = small_plan(**args)["onebit_adam"]["hierarchical"]["comm_time_s"]
+    limited = small_plan(**args, intra_bandwidth_bytes_per_s=1e5)["onebit_adam"]["hierarchical"]["comm_time_s"]
+    # The 1-bit call: 500 fp32 from each of the node's 2 ranks, out and back. The fp32 step's ring: its
+    # hop inside the node (6,000 bytes) now takes longer than the node's link.
+    assert limited == pytest.approx(free + 2 * (2 * 500 * 4 / 1e5) + (6000 / 1e5 - 6000 / 1e6))
+
+
+def test_ddp_overlaps_all_but_its_last_bucket_with_backward():
+    cluster = Cluster(2, 1, bandwidth=1e6, latency=0.0)
+    # One bucket (4 kB): ready when backward ends, all of it exposed.
+    assert ddp_exposed_time(1000, 4, cluster, StepCosts(1.0)) == pytest.approx(4000 / 1e6)
+    # 2 MiB of fp32 gradients: a 1 MiB first bucket ready half-way through backward, sent (1 s) while
+    # the second is produced; the second bucket starts when backward ends: 1 s exposed, not 2.
+    numel = 2**19
+    per_bucket = 2**20 / 1e6
+    assert ddp_exposed_time(numel, 4, cluster, StepCosts(3.0, backward_fraction=1.0)) == pytest.approx(per_bucket)
+    # A backward shorter than the first bucket's transfer queues the second behind it.
+    assert ddp_exposed_time(numel, 4, cluster, StepCosts(0.5, backward_fraction=1.0)) == pytest.approx(0.25 + 2 * per_bucket - 0.5)
+
+
+def test_step_times_add_compute_to_what_each_step_sends():
+    costs = StepCosts(0.1, backward_fraction=0.5, compress_rate=1e5)
+    result = small_plan(costs=costs)  # 3 steps; 1-bit Adam: 1 fp32 + 2 1-bit steps; 0/1 Adam: 1 + 1 + 1 local
+    fp_time, onebit_time = 2e-3 + 4000 / 1e6, (1e-3 + 68 / 1e6) * 2 + 1000 / 1e5
+    adam, onebit, zoa = result["adam"], result["onebit_adam"], result["zero_one_adam"]
+    assert adam["total_time_s"] == pytest.approx(3 * (0.1 + fp_time))  # one bucket: nothing overlapped
+    assert onebit["total_time_s"] == pytest.approx(3 * 0.1 + fp_time + 2 * onebit_time)
+    assert zoa["total_time_s"] == pytest.approx(3 * 0.1 + fp_time + onebit_time)
+    assert zoa["step_time_s"] == pytest.approx(zoa["total_time_s"] / 3)
+    assert zoa["speedup_vs_adam"] == pytest.approx(adam["total_time_s"] / zoa["total_time_s"])
+    assert zoa["speedup_vs_onebit_adam"] == pytest.approx(onebit["total_time_s"] / zoa["total_time_s"])
+    assert "speedup_vs_onebit_adam" not in adam and "step_time_s" not in small_plan()["adam"]
+
+
+def test_format_plan_shows_both_topologies_and_times():
+    out = io.StringIO()
+    Console(file=out, width=220).print(format_plan(small_plan(world_size=4, ranks_per_node=2, costs=StepCosts(0.1))))
+    text = out.getvalue()
+    for words in (
+        "0/1 Adam (flat)",
+        "0/1 Adam (node-aware)",
+        "1-bit Adam (node-aware)",
+        "bytes over each node's link",
+        "predicted step time",
+        "speed-up vs 1-bit Adam",
+    ):
+        assert words in text
 
 
 LR_SCHEDULES = {

@@ -232,6 +232,27 @@ def test_missing_recipe_and_bad_override(tmp_path):
     assert done.returncode == 2 and "section.key=value" in done.stderr
 
 
+def test_plan_on_nodes_of_several_gpus_predicts_step_times_and_refuses_bad_shapes(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")  # the table's headers unwrapped
+    args = ("plan", "recipes/bert_large.yaml", "--nodes", "16", "--gpus-per-node", "8", "--bandwidth", "25Gbit", "--step-time", "200ms")
+    done = zoa(*args, "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    flat, node_aware = result["zero_one_adam"], result["zero_one_adam"]["hierarchical"]
+    assert node_aware["inter_bytes_per_node"] < flat["inter_bytes_per_node"] and node_aware["bits_per_param"] == flat["bits_per_param"]
+    assert node_aware["speedup_vs_adam"] > flat["speedup_vs_adam"] > 1 and result["adam"]["speedup_vs_adam"] == 1
+    table = zoa(*args)
+    assert table.returncode == 0 and "node-aware" in table.stdout and "speed-up vs 1-bit" in table.stdout
+    for bad, words in (
+        (("--nodes", "2", "--world-size", "8"), "not both"),
+        (("--world-size", "12", "--gpus-per-node", "8"), "does not divide"),
+        (("--backend", "mpi"), "nccl or gloo"),
+        (("--step-time", "fast"), "not understood"),
+    ):
+        done = zoa("plan", "recipes/gpt2_tiny.yaml", *bad)
+        assert done.returncode == 2 and words in done.stderr and "Traceback" not in done.stderr, (bad, done.stderr)
+
+
 def test_plan_reads_the_bert_large_recipe():
     done = zoa("plan", "recipes/bert_large.yaml", "--world-size", "128", "--json")
     assert done.returncode == 0, done.stderr

@@ -240,30 +240,67 @@ def slurm_command(
 def plan_command(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe: its optimizer knobs, lr schedule, steps and model size are read.")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
-    world_size: Annotated[int, typer.Option(help="Data-parallel ranks to plan for. [default: 64]", show_default=False)] = 64,
-    bandwidth: Annotated[str, typer.Option(help="Per-rank link bandwidth, e.g. 10Gbit, 100Gbit, 25GB. [default: 10Gbit]", show_default=False)] = "10Gbit",
-    latency: Annotated[str, typer.Option(help="Per-message latency, e.g. 20us, 1ms. [default: 20us]", show_default=False)] = "20us",
+    nodes: Annotated[int, typer.Option(help="Nodes to plan for. [default: 64, or --world-size / --gpus-per-node]", show_default=False)] = 0,
+    gpus_per_node: Annotated[
+        int, typer.Option(help="Ranks in each node; above 1 the 1-bit optimizers are planned flat and node-aware. [default: 1]", show_default=False)
+    ] = 1,
+    world_size: Annotated[int, typer.Option(help="All ranks, instead of --nodes: --world-size / --gpus-per-node nodes.", show_default=False)] = 0,
+    bandwidth: Annotated[
+        str, typer.Option(help="Each node's link to the others, each way, e.g. 10Gbit, 100Gbit, 25GB. [default: 10Gbit]", show_default=False)
+    ] = "10Gbit",
+    intra_bandwidth: Annotated[
+        str, typer.Option(help="Inside a node, shared by its ranks, e.g. 300GB (NVLink). [default: not limiting]", show_default=False)
+    ] = "",
+    latency: Annotated[str, typer.Option(help="Per message between nodes, e.g. 20us, 1ms. [default: 20us]", show_default=False)] = "20us",
+    backend: Annotated[str, typer.Option(help="nccl (GPUs; ring all-gather) or gloo (CPUs; direct all-gather). [default: nccl]", show_default=False)] = "nccl",
+    step_time: Annotated[
+        str, typer.Option(help="Compute time of one step on one rank, nothing sent, e.g. 250ms: adds predicted step times and speed-ups.", show_default=False)
+    ] = "",
+    backward_fraction: Annotated[
+        float, typer.Option(help="Share of --step-time that DDP's allreduce overlaps (backward). [default: 0.67]", show_default=False)
+    ] = 2 / 3,
+    compress_rate: Annotated[
+        float,
+        typer.Option(
+            help="Elements per second one rank encodes and decodes in a 1-bit call: a size over its 1-bit time in bench comm on one machine. [default: not limiting]",
+            show_default=False,
+        ),
+    ] = 0.0,
     params: Annotated[int, typer.Option(help="Parameter count. [default: counted from the recipe's model]", show_default=False)] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by optimizer name.")] = False,
 ) -> None:
-    """Communication of every optimizer (Adam, 1-bit Adam, 0/1 Adam, ...) over a whole recipe, without training."""
+    """Communication of every optimizer (Adam, 1-bit Adam, 0/1 Adam, ...) over a whole recipe on N nodes of G ranks, without training; with --step-time, predicted step time, time to train and speed-ups."""
+    import math
+
     from zoa_train.config import load_recipe
     from zoa_train.optim import registry
-    from zoa_train.optim.plan import format_plan, parse_bandwidth, parse_latency, plan
+    from zoa_train.optim.plan import StepCosts, format_plan, parse_bandwidth, parse_latency, plan
 
     config = load_recipe(recipe, set_)
-    if world_size < 1:
-        fail("--world-size must be at least 1.")
+    if gpus_per_node < 1 or nodes < 0 or world_size < 0 or backward_fraction < 0 or compress_rate < 0:
+        fail("--gpus-per-node must be at least 1, and --nodes, --world-size, --backward-fraction and --compress-rate not negative.")
+    if nodes and world_size:
+        fail("give --nodes or --world-size, not both.")
+    if world_size and world_size % gpus_per_node:
+        fail(f"--gpus-per-node {gpus_per_node} does not divide --world-size {world_size}.")
+    ranks = world_size or (nodes or 64) * gpus_per_node
+    costs = None
+    if step_time:
+        costs = StepCosts(parse_latency(step_time), backward_fraction, compress_rate or math.inf)
     o = config.optimizer
     result = plan(
         config.train.steps,
         config.lr_schedule(),
-        world_size,
+        ranks,
         params or count_parameters(config),
         **registry.knob_values(o),
         allreduce_bits=32 if o.allreduce_dtype == "fp32" else 16,
         bandwidth_bytes_per_s=parse_bandwidth(bandwidth),
         latency_s=parse_latency(latency),
+        ranks_per_node=gpus_per_node,
+        intra_bandwidth_bytes_per_s=parse_bandwidth(intra_bandwidth) if intra_bandwidth else math.inf,
+        backend=backend,
+        costs=costs,
         betas=o.betas,
     )
     if as_json:

@@ -2,13 +2,15 @@
 
 A run directory holds `recipe.yaml` (the resolved recipe) and `metrics.jsonl` (one JSON record per
 log step, written by rank 0: step, loss, lr, throughput, bits_per_param, rounds, bytes_sent,
-wall_time, step_kinds, and val_loss on validation steps).
+wall_time, train_s, step_kinds, and val_loss on validation steps).
 
 `step_kinds` holds one character per optimizer step since the previous record, from zoa_train.step_kinds
-(runs written before it existed lack it).
+(runs written before it existed lack it). `train_s` is the seconds those steps took, validation and
+checkpoints excluded, so step times by kind can be recovered (`step_seconds_by_kind`).
 """
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,3 +71,35 @@ def first_reaching(run: RunLog, target: float, key: str = "val_loss") -> dict | 
     Its `wall_time`, `step` and `bytes_sent` give time, steps and traffic to that quality.
     """
     return next((r for r in run.series(key) if r[key] <= target), None)
+
+
+def _timed_windows(records: list[dict]) -> list[dict]:
+    """The records with the seconds and kinds of their window's steps, the first window (start-up:
+    allocation, the first collectives) left out when there are others."""
+    windows = [r for r in records if "train_s" in r and r.get("step_kinds")]
+    return windows[1:] if len(windows) > 1 else windows
+
+
+def mean_step_seconds(records: list[dict]) -> float | None:
+    """Training seconds per step over the timed windows (validation and checkpoints excluded)."""
+    windows = _timed_windows(records)
+    steps = sum(len(r["step_kinds"]) for r in windows)
+    return sum(r["train_s"] for r in windows) / steps if steps else None
+
+
+def step_seconds_by_kind(records: list[dict]) -> dict[str, float]:
+    """Seconds of one step of each kind (zoa_train.step_kinds), fitted by least squares to the windows:
+    a window's seconds are the sum over its steps of their kind's seconds. Kinds that never occur are
+    absent; with fewer windows than kinds the fit is underdetermined and torch's minimum-norm answer
+    is returned, so read it as a diagnostic."""
+    import torch
+
+    windows = _timed_windows(records)
+    kinds = sorted({kind for r in windows for kind in r["step_kinds"]})
+    if not kinds:
+        return {}
+    counts = [Counter(r["step_kinds"]) for r in windows]
+    a = torch.tensor([[c[k] for k in kinds] for c in counts], dtype=torch.float64)
+    b = torch.tensor([[r["train_s"]] for r in windows], dtype=torch.float64)
+    solution = torch.linalg.lstsq(a, b, driver="gelsd").solution.flatten().tolist()
+    return dict(zip(kinds, solution))

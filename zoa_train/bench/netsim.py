@@ -41,7 +41,7 @@ from pathlib import Path
 from zoa_train.errors import UserError
 from zoa_train.optim import registry
 from zoa_train.optim.plan import format_bytes, optimizer_table, parse_bandwidth, parse_latency
-from zoa_train.runs import RunLog, first_reaching, read_run
+from zoa_train.runs import RunLog, first_reaching, mean_step_seconds, read_run, step_seconds_by_kind
 
 SUBNET = "10.231.0"  # rank r is SUBNET.(r+1)/24, only ever inside this invocation's namespaces
 MASTER_PORT = 29500  # free in a fresh namespace; each run adds its index so no run meets the last one's TIME_WAIT
@@ -211,6 +211,8 @@ def summarize(run: RunLog, target: float | None) -> dict:
         "run_dir": str(run.path),
         "steps": last["step"],
         "median_step_s": median_step_time(records),
+        "mean_step_s": mean_step_seconds(run.records),  # training alone, what plan --step-time predicts
+        "step_s_by_kind": step_seconds_by_kind(run.records),
         rate: statistics.median(r[rate] for r in records if rate in r),  # validation-only records have none
         "bits_per_param": last["bits_per_param"],
         "rounds": last["rounds"],

@@ -1,4 +1,5 @@
-"""Communication plan: what each registered optimizer would send over a whole run, without running it.
+"""Communication plan: what each registered optimizer would send over a whole run, and what its steps
+would cost on a cluster of nodes, without running it.
 
 Each optimizer's registry entry (zoa_train/optim/registry.py) counts its full-precision and 1-bit
 allreduces, rounds, syncs and variance updates from the recipe's knobs, following docs/algorithm.md
@@ -7,18 +8,39 @@ counts come from the same ZeroOneSchedule the optimizer runs). Every optimizer's
 treated as one flat buffer (the optimizers send one buffer per param group, so a multi-group model
 pays a little more padding and latency than planned).
 
-Bytes are what one rank sends: ring_allreduce_bytes for full precision, and for a 1-bit call
-2*(n-1) segments of packed signs plus fp32 row scales, sized by onebit_layout exactly as
-OneBitAllReduce sends them. Time uses an alpha-beta model (latency alpha per message, bandwidth
-beta per rank): a ring allreduce costs
-2(n-1)*alpha + bytes/beta; a 1-bit call is an all-to-all ((n-1)*alpha + its bytes/beta) followed by
-a ring all-gather ((n-1)*alpha + its bytes/beta). With one rank nothing is sent: bytes and time are
-zero, while bits, rounds and syncs stay the schedule's nominal counts.
+The cluster (`Cluster`) is N nodes of G ranks: a node's link to the others carries `bandwidth` bytes/s
+each way and costs `latency` per message; inside a node the ranks share `intra_bandwidth`. Each
+collective is a sequence of phases; a phase costs its messages times the latency plus the slower of
+(bytes over the node's link) / bandwidth and (bytes inside the node) / intra_bandwidth, the two links
+working at once. The bytes are those this implementation sends (docs/algorithm.md):
+
+  full-precision allreduce  a ring over all ranks, a node's ranks next to each other (NCCL and Gloo):
+                            each link of the ring, the node's included, carries 2(n-1)/n of the buffer
+  flat 1-bit call           an all-to-all of the signs and row scales (each rank sends n-1 segments,
+                            onebit_layout's, G(N-1) of them off the node), then an all-gather of the
+                            server segments: direct on Gloo (as the all-to-all), a ring on NCCL
+                            (n-1 segments cross each node's link)
+  node-aware 1-bit call     inside the node an all-to-all of the buffer in the allreduce dtype, the
+                            flat 1-bit call of 1/G of it among the N ranks of one local rank (the G
+                            local ranks at once, all over the node's link), an fp32 all-gather inside
+                            the node
+
+A 1-bit call also spends the encoding and decoding of its buffer on the rank (`compress_rate`
+elements per second: a size over its 1-bit time in `zoa-train bench comm` on one machine, where the transfer is negligible). With one rank nothing is sent:
+bytes and time are zero, while bits, rounds and syncs stay the schedule's nominal counts.
+
+Given a compute time per step (`StepCosts.step_time`: forward, backward and optimizer on one rank,
+nothing sent), the plan also predicts step and total time. DDP (Adam and every optimizer that does not
+sync itself) overlaps its bucketed allreduce with backward: buckets of `bucket_bytes` (DDP's 25 MiB,
+the first 1 MiB) become ready as backward (`backward_fraction` of the step) proceeds, each starts
+when it is ready and the previous one is done, and only what is left when backward ends adds to the
+step. The 1-bit optimizers communicate inside `step()`, after backward: nothing of theirs overlaps.
 """
 
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from rich.table import Table
 
@@ -30,36 +52,133 @@ from zoa_train.optim.lr_schedules import LRSchedule
 from zoa_train.optim.registry import PlanContext, PlanCounts
 
 ALLREDUCE_BITS = (16, 32)
+BACKENDS = ("nccl", "gloo")
+ONEBIT_BASELINE = "onebit_adam"  # the 1-bit optimizers' speed-ups are also given against it
+DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
+DDP_FIRST_BUCKET_BYTES = 2**20  # its first (last layers') bucket
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Where a plan runs: `nodes` x `ranks_per_node` ranks, the nodes' link and the links inside a node."""
+
+    nodes: int
+    ranks_per_node: int = 1
+    bandwidth: float = 1.25e9  # bytes/s of a node's link to the others, each way
+    latency: float = 20e-6  # seconds per message between nodes
+    intra_bandwidth: float = math.inf  # bytes/s inside a node, shared by its ranks
+    backend: str = "nccl"
+
+    @property
+    def world(self) -> int:
+        return self.nodes * self.ranks_per_node
+
+    def phase(self, inter_bytes: float, intra_bytes: float, messages: int) -> float:
+        """Seconds of one phase: `inter_bytes` over each node's link, `intra_bytes` inside each node."""
+        inter = inter_bytes / self.bandwidth if self.nodes > 1 else 0.0
+        intra = intra_bytes / self.intra_bandwidth if self.ranks_per_node > 1 else 0.0
+        return messages * (self.latency if self.nodes > 1 else 0.0) + max(inter, intra)
+
+
+@dataclass(frozen=True)
+class StepCosts:
+    """What a step costs besides communication, for predicted step times."""
+
+    step_time: float  # seconds of forward, backward and optimizer step on one rank, nothing sent
+    backward_fraction: float = 2 / 3  # share of step_time that DDP's allreduce can overlap
+    compress_rate: float = math.inf  # buffer elements per second a rank encodes and decodes in a 1-bit call
+    bucket_bytes: int = DDP_BUCKET_BYTES
+
+
+@dataclass(frozen=True)
+class CallCost:
+    """One collective of the whole buffer: bytes per rank, bytes over each node's link, seconds."""
+
+    bytes_per_rank: float  # as the ledger's bytes_sent: all of a flat call, the part between nodes of a node-aware one
+    inter_bytes_per_node: float
+    seconds: float
+    intra_bytes_per_rank: float = 0  # as the ledger's intra_bytes_sent: the node-aware call's full precision inside the node
 
 
 def onebit_call_bytes(num_params: int, world_size: int) -> int:
-    """Bytes one rank sends in one OneBitAllReduce call: 2(n-1) segments (signs and row scales)."""
+    """Bytes one rank sends in one flat OneBitAllReduce call: 2(n-1) segments (signs and row scales)."""
     return 2 * (world_size - 1) * onebit_layout(num_params, world_size).segment
 
 
-def _summary(counts: PlanCounts, *, steps: int, num_params: int, world_size: int, allreduce_bits: int, bandwidth_bytes_per_s: float, latency_s: float) -> dict:
+def allreduce_cost(numel: int, element_size: int, cluster: Cluster) -> CallCost:
+    n, g = cluster.world, cluster.ranks_per_node
+    if n == 1:
+        return CallCost(0, 0, 0.0)
+    volume = ring_allreduce_bytes(numel, element_size, n)  # what each link of the ring carries
+    inter = volume if cluster.nodes > 1 else 0
+    return CallCost(volume, inter, cluster.phase(inter, (g - 1) * volume, 2 * (n - 1)))
+
+
+def flat_onebit_cost(numel: int, cluster: Cluster, compress_rate: float = math.inf) -> CallCost:
+    n, g, nodes = cluster.world, cluster.ranks_per_node, cluster.nodes
+    if n == 1:
+        return CallCost(0, 0, 0.0)
+    segment = onebit_layout(numel, n).segment
+    to_all = cluster.phase(g * g * (nodes - 1) * segment, g * (g - 1) * segment, n - 1)
+    if cluster.backend == "nccl":  # ring all-gather: n-1 segments over every link of the ring
+        gather_inter, gather_intra = (n - 1) * segment if nodes > 1 else 0, (g - 1) * (n - 1) * segment
+    else:  # Gloo's all-gather sends each rank's segment to every other rank, as the all-to-all
+        gather_inter, gather_intra = g * g * (nodes - 1) * segment, g * (g - 1) * segment
+    gather = cluster.phase(gather_inter, gather_intra, n - 1)
+    inter = g * g * (nodes - 1) * segment + gather_inter
+    return CallCost(2 * (n - 1) * segment, inter, to_all + gather + numel / compress_rate)
+
+
+def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf) -> CallCost:
+    g, nodes = cluster.ranks_per_node, cluster.nodes
+    shard = -(-numel // g)
+    among_nodes = Cluster(nodes, 1, cluster.bandwidth / g, cluster.latency, cluster.intra_bandwidth, cluster.backend)
+    inner = flat_onebit_cost(shard, among_nodes)  # the G local ranks share the node's link
+    intra_in = (g - 1) * shard * intra_element_size  # each rank's all-to-all sends (G-1)/G of the buffer
+    intra_out = (g - 1) * shard * 4  # fp32 all-gather
+    seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0) + shard / compress_rate
+    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out)
+
+
+def ddp_exposed_time(numel: int, element_size: int, cluster: Cluster, costs: StepCosts) -> float:
+    """Seconds DDP's allreduce adds to a step after backward: buckets, smallest first, each started when
+    backward has produced it and the previous bucket is done."""
+    total = numel * 4  # DDP buckets by the fp32 gradients' bytes
+    sizes = [min(DDP_FIRST_BUCKET_BYTES, total)]
+    while sum(sizes) < total:
+        sizes.append(min(costs.bucket_bytes, total - sum(sizes)))
+    backward = costs.backward_fraction * costs.step_time
+    done, ready = 0.0, 0
+    for size in sizes:
+        ready += size
+        bucket = allreduce_cost(-(-size // 4), element_size, cluster).seconds
+        done = max(done, backward * ready / total) + bucket
+    return max(0.0, done - backward)
+
+
+def _summary(counts: PlanCounts, *, steps: int, fp: CallCost, onebit: CallCost, allreduce_bits: int, world_size: int, step_time: dict | None) -> dict:
     """Totals of one optimizer from its counts of full-precision and 1-bit allreduces."""
-    n = world_size
-    fp_bytes = ring_allreduce_bytes(num_params, allreduce_bits // 8, n)
-    ob_bytes = onebit_call_bytes(num_params, n)
-    messages = 2 * (n - 1)  # per ring allreduce, and per 1-bit call (two passes of n-1)
-    fp_time = messages * latency_s + fp_bytes / bandwidth_bytes_per_s if n > 1 else 0.0
-    ob_time = messages * latency_s + ob_bytes / bandwidth_bytes_per_s if n > 1 else 0.0
-    fp, ob = counts.fp_allreduces, counts.onebit_allreduces
-    return {
+    f, o = counts.fp_allreduces, counts.onebit_allreduces
+    summary = {
         "steps": steps,
-        "bits_per_param": (fp * allreduce_bits + ob) / steps if steps else 0.0,
+        "bits_per_param": (f * allreduce_bits + o) / steps if steps else 0.0,
         "rounds": counts.rounds,
         "syncs": counts.syncs,
         "variance_updates": counts.variance_updates,
-        "fp_allreduces": fp,
-        "onebit_allreduces": ob,
-        "collective_calls": fp + 2 * ob if n > 1 else 0,
-        "bytes_per_rank": fp * fp_bytes + ob * ob_bytes,
-        "comm_time_s": fp * fp_time + ob * ob_time,
+        "fp_allreduces": f,
+        "onebit_allreduces": o,
+        "collective_calls": f + 2 * o if world_size > 1 else 0,
+        "bytes_per_rank": f * fp.bytes_per_rank + o * onebit.bytes_per_rank,
+        "intra_bytes_per_rank": o * onebit.intra_bytes_per_rank,
+        "inter_bytes_per_node": f * fp.inter_bytes_per_node + o * onebit.inter_bytes_per_node,
+        "comm_time_s": f * fp.seconds + o * onebit.seconds,
         **counts.extra,
         **({"warning": counts.warning} if counts.warning else {}),
     }
+    if step_time is not None:
+        total = steps * step_time["compute"] + f * step_time["fp"] + o * onebit.seconds
+        summary |= {"step_time_s": total / steps if steps else 0.0, "total_time_s": total}
+    return summary
 
 
 def plan(
@@ -71,42 +190,86 @@ def plan(
     allreduce_bits: int = 32,
     bandwidth_bytes_per_s: float,
     latency_s: float,
+    ranks_per_node: int = 1,
+    intra_bandwidth_bytes_per_s: float = math.inf,
+    backend: str = "nccl",
+    costs: StepCosts | None = None,
     betas: tuple[float, float] = (0.9, 0.999),
     **knobs,
 ) -> dict[str, dict]:
-    """Per registered optimizer name, the run's communication totals.
+    """Per registered optimizer name, the run's communication totals on `world_size` ranks, nodes of
+    `ranks_per_node`.
 
     Each value holds bits_per_param (nominal, averaged over steps), rounds, syncs, variance_updates
-    (|T_v|), fp_allreduces, onebit_allreduces, collective_calls, bytes_per_rank and comm_time_s, and
-    whatever its registry entry adds (zero_one_adam: variance_update_bound, the paper's
-    log(1-b1)/log(b2), and max_interval). `knobs` are optimizer knobs by name, as in a recipe's
-    optimizer section; each optimizer takes its own, and the library's defaults stand for the rest."""
+    (|T_v|), fp_allreduces, onebit_allreduces, collective_calls, bytes_per_rank,
+    inter_bytes_per_node (over each node's link) and comm_time_s, and whatever its registry entry adds
+    (zero_one_adam: variance_update_bound, the paper's log(1-b1)/log(b2), and max_interval). With
+    `costs`, also step_time_s (the mean), total_time_s, speedup_vs_adam and, for the 1-bit
+    optimizers, speedup_vs_onebit_adam. An optimizer that takes the 1-bit collective gets a
+    "hierarchical" record of the same keys for the node-aware sync when there are several nodes of
+    several ranks. `knobs` are optimizer knobs by name, as in a recipe's optimizer section; each
+    optimizer takes its own, and the library's defaults stand for the rest."""
     _check(steps >= 0, f"steps must be >= 0, got {steps}.")
     _check(world_size >= 1, f"world size must be at least 1, got {world_size}.")
+    _check(ranks_per_node >= 1 and world_size % ranks_per_node == 0, f"ranks per node ({ranks_per_node}) must divide the world size ({world_size}).")
     _check(num_params >= 1, f"the number of parameters must be at least 1, got {num_params}.")
     _check(allreduce_bits in ALLREDUCE_BITS, f"allreduce bits must be 16 or 32, got {allreduce_bits}.")
     _check(bandwidth_bytes_per_s > 0 and math.isfinite(bandwidth_bytes_per_s), f"bandwidth must be a positive number of bytes/s, got {bandwidth_bytes_per_s}.")
+    _check(intra_bandwidth_bytes_per_s > 0, f"intra-node bandwidth must be a positive number of bytes/s, got {intra_bandwidth_bytes_per_s}.")
     _check(latency_s >= 0 and math.isfinite(latency_s), f"latency must be a non-negative number of seconds, got {latency_s}.")
+    _check(backend in BACKENDS, f"backend must be nccl or gloo, got {backend!r}.")
+    if costs is not None:
+        _check(costs.step_time > 0 and math.isfinite(costs.step_time), f"step time must be a positive number of seconds, got {costs.step_time}.")
+        _check(0 <= costs.backward_fraction <= 1, f"the backward fraction must be between 0 and 1, got {costs.backward_fraction}.")
+        _check(costs.compress_rate > 0, f"the compression rate must be a positive number of elements/s, got {costs.compress_rate}.")
     unknown = set(knobs) - {f.name for f in registry.knob_fields()}
     _check(not unknown, f"no optimizer has the knob {', '.join(sorted(unknown))}.")
     for spec in map(registry.get, registry.names()):
         for name, check in spec.checks.items():
             problem = name in knobs and check(knobs[name])
             _check(not problem, f"{name} {problem}, got {knobs.get(name)}.")
+
+    cluster = Cluster(world_size // ranks_per_node, ranks_per_node, bandwidth_bytes_per_s, latency_s, intra_bandwidth_bytes_per_s, backend)
+    element = allreduce_bits // 8
+    rate = costs.compress_rate if costs else math.inf
+    fp = allreduce_cost(num_params, element, cluster)
+    topologies = {"flat": flat_onebit_cost(num_params, cluster, rate)}
+    if cluster.nodes > 1 and ranks_per_node > 1:
+        topologies["hierarchical"] = hierarchical_onebit_cost(num_params, element, cluster, rate)
     result = {}
     for name in registry.names():
         spec = registry.get(name)
         context = PlanContext(steps, lr_schedule, world_size, num_params, allreduce_bits, betas, spec.knobs_from(knobs))
-        result[name] = _summary(
-            spec.plan(context),
-            steps=steps,
-            num_params=num_params,
-            world_size=world_size,
-            allreduce_bits=allreduce_bits,
-            bandwidth_bytes_per_s=bandwidth_bytes_per_s,
-            latency_s=latency_s,
-        )
+        counts = spec.plan(context)
+        step_time = None
+        if costs is not None:  # what a full-precision step adds: all of it in step(), DDP's exposed part only
+            fp_step = fp.seconds if spec.uses_collective else ddp_exposed_time(num_params, element, cluster, costs)
+            step_time = {"compute": costs.step_time, "fp": fp_step}
+        records = {
+            topology: _summary(counts, steps=steps, fp=fp, onebit=onebit, allreduce_bits=allreduce_bits, world_size=world_size, step_time=step_time)
+            for topology, onebit in (topologies.items() if spec.uses_collective else [("flat", topologies["flat"])])
+        }
+        result[name] = records.pop("flat") | records
+    if costs is not None:
+        _add_speedups(result)
     return result
+
+
+def _add_speedups(result: dict[str, dict]) -> None:
+    def variants(record):
+        yield record
+        if "hierarchical" in record:
+            yield record["hierarchical"]
+
+    adam, onebit = result.get(registry.BASELINE), result.get(ONEBIT_BASELINE)
+    for name, record in result.items():
+        if onebit and registry.get(name).uses_collective:  # flat against flat, node-aware against node-aware
+            for variant, onebit_variant in zip(variants(record), variants(onebit)):
+                if variant["total_time_s"]:
+                    variant["speedup_vs_onebit_adam"] = onebit_variant["total_time_s"] / variant["total_time_s"]
+        for variant in variants(record):
+            if adam and variant["total_time_s"]:
+                variant["speedup_vs_adam"] = adam["total_time_s"] / variant["total_time_s"]
 
 
 def _check(ok: bool, message: str) -> None:
@@ -183,20 +346,30 @@ def _ratio(value: float, base: float) -> str:
 
 
 def format_plan(result: dict[str, dict]) -> Table:
-    """The optimizers side by side, with ratios against Adam, for the CLI to print."""
+    """The optimizers side by side (the 1-bit ones flat and node-aware where a plan has both), with
+    ratios against Adam and, given a step time, predicted times and speed-ups, for the CLI to print."""
     names = [name for name in registry.names() if name in result]
     title = f"Communication plan, {result[names[0]]['steps']:,} steps"
     notes = [spec.plan_note(result[spec.name]) for spec in map(registry.get, names) if spec.plan_note is not None]
     caption = "; ".join(notes) or None
     base = result.get(registry.BASELINE)
+    node_aware = any("hierarchical" in result[name] for name in names)
+    columns = []
+    for name in names:
+        record = result[name]
+        columns.append((name, record, "flat" if "hierarchical" in record else ""))
+        if "hierarchical" in record:
+            columns.append((name, record["hierarchical"], "node-aware"))
     rows = [
         ("|T_v| (variance updates)", lambda r: f"{r['variance_updates']:,}"),
         ("rounds", lambda r: f"{r['rounds']:,}"),
         ("syncs", lambda r: f"{r['syncs']:,}"),
         ("bits / param / step", lambda r: f"{r['bits_per_param']:.3f}"),
         ("bytes / rank", lambda r: format_bytes(r["bytes_per_rank"])),
-        ("predicted comm time", lambda r: _seconds(r["comm_time_s"])),
     ]
+    if node_aware:
+        rows.append(("bytes over each node's link", lambda r: format_bytes(r["inter_bytes_per_node"])))
+    rows.append(("predicted comm time", lambda r: _seconds(r["comm_time_s"])))
     if base:
         rows += [
             ("rounds vs Adam", lambda r: _ratio(r["rounds"], base["rounds"])),
@@ -204,7 +377,14 @@ def format_plan(result: dict[str, dict]) -> Table:
             ("bytes vs Adam", lambda r: _ratio(r["bytes_per_rank"], base["bytes_per_rank"])),
             ("comm time vs Adam", lambda r: _ratio(r["comm_time_s"], base["comm_time_s"])),
         ]
-    return optimizer_table(title, caption, [(name, result[name]) for name in names], rows)
+    if "step_time_s" in result[names[0]]:
+        rows += [
+            ("predicted step time", lambda r: _seconds(r["step_time_s"])),
+            ("predicted time to train", lambda r: _seconds(r["total_time_s"])),
+            ("speed-up vs Adam", lambda r: f"{r['speedup_vs_adam']:.2f}x" if r.get("speedup_vs_adam") else "-"),
+            ("speed-up vs 1-bit Adam", lambda r: f"{r['speedup_vs_onebit_adam']:.2f}x" if r.get("speedup_vs_onebit_adam") else "-"),
+        ]
+    return optimizer_table(title, caption, columns, rows)
 
 
 def optimizer_table(title: str, caption: str | None, columns: list[tuple], lines: list[tuple[str, Callable[[dict], str]]]) -> Table:

@@ -289,6 +289,7 @@ class Trainer:
                     "intra_bytes_sent": self.ledger.intra_bytes_sent,
                     "variance_updates": self.opt.variance_updates,
                     "step_kinds": step_kinds,
+                    "train_s": elapsed,  # the window's steps alone: step times by kind (zoa_train.runs)
                 }
                 record |= train_record
                 window_start, window_steps, step_kinds = time.perf_counter(), 0, ""
@@ -316,6 +317,7 @@ class Trainer:
             return None
         summary = {"step": self.step, **train_record, **val_record, "wall_time": time.perf_counter() - started}
         summary.pop("step_kinds", None)
+        summary.pop("train_s", None)
         return summary | {"run_dir": str(self.run_dir.path)}
 
     # ---- preemption ---------------------------------------------------------------------------
