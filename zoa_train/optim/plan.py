@@ -119,14 +119,14 @@ def flat_onebit_cost(numel: int, cluster: Cluster, compress_rate: float = math.i
     if n == 1:
         return CallCost(0, 0, 0.0)
     segment = onebit_layout(numel, n).segment
-    to_all = cluster.phase(g * g * (nodes - 1) * segment, g * (g - 1) * segment, n - 1)
+    to_all_inter = g * g * (nodes - 1) * segment
+    to_all = cluster.phase(to_all_inter, g * (g - 1) * segment, n - 1)
     if cluster.backend == "nccl":  # ring all-gather: n-1 segments over every link of the ring
         gather_inter, gather_intra = (n - 1) * segment if nodes > 1 else 0, (g - 1) * (n - 1) * segment
     else:  # Gloo's all-gather sends each rank's segment to every other rank, as the all-to-all
         gather_inter, gather_intra = g * g * (nodes - 1) * segment, g * (g - 1) * segment
     gather = cluster.phase(gather_inter, gather_intra, n - 1)
-    inter = g * g * (nodes - 1) * segment + gather_inter
-    return CallCost(2 * (n - 1) * segment, inter, to_all + gather + numel / compress_rate)
+    return CallCost(2 * (n - 1) * segment, to_all_inter + gather_inter, to_all + gather + numel / compress_rate)
 
 
 def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf) -> CallCost:
@@ -156,7 +156,9 @@ def ddp_exposed_time(numel: int, element_size: int, cluster: Cluster, costs: Ste
     return max(0.0, done - backward)
 
 
-def _summary(counts: PlanCounts, *, steps: int, fp: CallCost, onebit: CallCost, allreduce_bits: int, world_size: int, step_time: dict | None) -> dict:
+def _summary(
+    counts: PlanCounts, *, steps: int, fp: CallCost, onebit: CallCost, allreduce_bits: int, world_size: int, compute_s: float | None, fp_step_s: float
+) -> dict:
     """Totals of one optimizer from its counts of full-precision and 1-bit allreduces."""
     f, o = counts.fp_allreduces, counts.onebit_allreduces
     summary = {
@@ -175,8 +177,8 @@ def _summary(counts: PlanCounts, *, steps: int, fp: CallCost, onebit: CallCost, 
         **counts.extra,
         **({"warning": counts.warning} if counts.warning else {}),
     }
-    if step_time is not None:
-        total = steps * step_time["compute"] + f * step_time["fp"] + o * onebit.seconds
+    if compute_s is not None:
+        total = steps * compute_s + f * fp_step_s + o * onebit.seconds
         summary |= {"step_time_s": total / steps if steps else 0.0, "total_time_s": total}
     return summary
 
@@ -241,12 +243,13 @@ def plan(
         spec = registry.get(name)
         context = PlanContext(steps, lr_schedule, world_size, num_params, allreduce_bits, betas, spec.knobs_from(knobs))
         counts = spec.plan(context)
-        step_time = None
-        if costs is not None:  # what a full-precision step adds: all of it in step(), DDP's exposed part only
-            fp_step = fp.seconds if spec.uses_collective else ddp_exposed_time(num_params, element, cluster, costs)
-            step_time = {"compute": costs.step_time, "fp": fp_step}
+        # What a full-precision step adds: all of it in step(), DDP's exposed part only.
+        fp_step = fp.seconds if spec.uses_collective or costs is None else ddp_exposed_time(num_params, element, cluster, costs)
+        compute = costs.step_time if costs else None
         records = {
-            topology: _summary(counts, steps=steps, fp=fp, onebit=onebit, allreduce_bits=allreduce_bits, world_size=world_size, step_time=step_time)
+            topology: _summary(
+                counts, steps=steps, fp=fp, onebit=onebit, allreduce_bits=allreduce_bits, world_size=world_size, compute_s=compute, fp_step_s=fp_step
+            )
             for topology, onebit in (topologies.items() if spec.uses_collective else [("flat", topologies["flat"])])
         }
         result[name] = records.pop("flat") | records
