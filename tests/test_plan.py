@@ -310,6 +310,23 @@ def test_step_times_add_compute_to_what_each_step_sends():
     assert "speedup_vs_onebit_adam" not in adam and "step_time_s" not in small_plan()["adam"]
 
 
+def test_the_reduction_rate_prices_the_elements_each_rank_sends_in_full_precision():
+    """Besides its transfer, a full-precision collective costs the elements a rank sends / reduce_rate:
+    a ring on 2 ranks sends the 1,000 elements once (every fp32 step of the self-syncing optimizers,
+    DDP's one exposed bucket), on 4 ranks 2 * 3/4 of them; the node-aware call's part inside a node of
+    2 sends its 500-element shard out and back; the flat 1-bit call pays nothing of it."""
+    costs, free = StepCosts(0.1, reduce_rate=1e5), StepCosts(0.1)
+    fast, slow = small_plan(costs=free), small_plan(costs=costs)
+    for name, fp_steps in (("adam", 3), ("onebit_adam", 1), ("zero_one_adam", 1)):
+        assert slow[name]["total_time_s"] == pytest.approx(fast[name]["total_time_s"] + fp_steps * 1000 / 1e5)
+    args = dict(world_size=4, ranks_per_node=2, steps=2)  # 1-bit Adam: an fp32 step, then a 1-bit one
+    fast, slow = small_plan(**args, costs=free)["onebit_adam"], small_plan(**args, costs=costs)["onebit_adam"]
+    assert slow["total_time_s"] == pytest.approx(fast["total_time_s"] + 1500 / 1e5)
+    assert slow["hierarchical"]["total_time_s"] == pytest.approx(fast["hierarchical"]["total_time_s"] + 1500 / 1e5 + 1000 / 1e5)
+    with pytest.raises(UserError, match="reduction rate"):
+        small_plan(costs=StepCosts(0.1, reduce_rate=0.0))
+
+
 def test_format_plan_shows_both_topologies_and_times():
     out = io.StringIO()
     Console(file=out, width=220).print(format_plan(small_plan(world_size=4, ranks_per_node=2, costs=StepCosts(0.1))))

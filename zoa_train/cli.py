@@ -266,6 +266,13 @@ def plan_command(
             show_default=False,
         ),
     ] = 0.0,
+    reduce_rate: Annotated[
+        float,
+        typer.Option(
+            help="Elements per second one rank sends and sums in a full-precision collective, besides the transfer (CPUs with Gloo; GPUs hardly limit it). [default: not limiting]",
+            show_default=False,
+        ),
+    ] = 0.0,
     params: Annotated[int, typer.Option(help="Parameter count. [default: counted from the recipe's model]", show_default=False)] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by optimizer name.")] = False,
 ) -> None:
@@ -277,8 +284,8 @@ def plan_command(
     from zoa_train.optim.plan import StepCosts, format_plan, parse_bandwidth, parse_latency, plan
 
     config = load_recipe(recipe, set_)
-    if gpus_per_node < 1 or nodes < 0 or world_size < 0 or backward_fraction < 0 or compress_rate < 0:
-        fail("--gpus-per-node must be at least 1, and --nodes, --world-size, --backward-fraction and --compress-rate not negative.")
+    if gpus_per_node < 1 or min(nodes, world_size, backward_fraction, compress_rate, reduce_rate) < 0:
+        fail("--gpus-per-node must be at least 1, and --nodes, --world-size, --backward-fraction, --compress-rate and --reduce-rate not negative.")
     if nodes and world_size:
         fail("give --nodes or --world-size, not both.")
     if world_size and world_size % gpus_per_node:
@@ -286,7 +293,7 @@ def plan_command(
     ranks = world_size or (nodes or 64) * gpus_per_node
     costs = None
     if step_time:
-        costs = StepCosts(parse_latency(step_time), backward_fraction, compress_rate or math.inf)
+        costs = StepCosts(parse_latency(step_time), backward_fraction, compress_rate or math.inf, reduce_rate or math.inf)
     o = config.optimizer
     result = plan(
         config.train.steps,
@@ -459,12 +466,13 @@ def bench_comm(
         print(json.dumps(result))
         return
     table = Table(title=f"fp32 allreduce vs 1-bit allreduce, {nproc} ranks")
-    for name in ("elements", "fp32 s", "1-bit s", "speed-up", "err 1 call", f"err mean {FEEDBACK_CALLS}", "pack+unpack GB/s", "add GB/s", "ratio"):
+    for name in ("elements", "fp32 s", "bf16 s", "1-bit s", "speed-up", "err 1 call", f"err mean {FEEDBACK_CALLS}", "pack+unpack GB/s", "add GB/s", "ratio"):
         table.add_column(name, justify="right")
     for r in rows:
         table.add_row(
             f"{r['numel']:,}",
             f"{r['allreduce_fp32_s']:.4f}",
+            f"{r['allreduce_bf16_s']:.4f}",
             f"{r['onebit_s']:.4f}",
             f"{r['speedup']:.2f}x",
             f"{r['rel_error_one_call']:.3f}",

@@ -1,5 +1,8 @@
 """`zoa-train bench comm`: fp32 allreduce vs the 1-bit allreduce on the same tensors, same run.
 
+The bf16 allreduce of the same elements is timed too: it is what the recipes' full-precision rounds
+(DDP's bf16 hook, `optimizer.allreduce_dtype: bf16`) send, and what `plan` prices them at.
+
 Each size reports the median time of each collective, their ratio, the relative L2 error of one
 1-bit call and of the running mean of 50 calls against the exact mean, and the memory traffic
 of packing plus unpacking next to a plain torch.add of the same size (the bandwidth limit here).
@@ -102,16 +105,24 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_nod
         exact /= world
 
         work = torch.empty_like(x)
+        work_bf16 = torch.empty(numel, dtype=torch.bfloat16, device=device)
 
         def reset(work=work, x=x):
             work.copy_(x)
 
-        pairs = [(reset, lambda work=work: dist.all_reduce(work)), (reset, lambda work=work, comm=comm: comm.op(work))]
+        def reset_bf16(work=work_bf16, x=x):
+            work.copy_(x[:numel])
+
+        pairs = [
+            (reset, lambda work=work: dist.all_reduce(work)),
+            (reset, lambda work=work, comm=comm: comm.op(work)),
+            (reset_bf16, lambda work=work_bf16: dist.all_reduce(work)),
+        ]
         if nodes is not None:
             node_aware = HierarchicalOneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel), nodes=nodes)
             pairs.append((reset, lambda work=work, comm=node_aware: comm.op(work)))  # the same layout as the flat call's
         _median_times(pairs, 1, device)  # warm-up
-        fp32_s, onebit_s, *node_aware_s = _median_times(pairs, repeats, device)
+        fp32_s, onebit_s, bf16_s, *node_aware_s = _median_times(pairs, repeats, device)
 
         feedback = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
         running = torch.zeros_like(x)
@@ -130,6 +141,7 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_nod
             {
                 "numel": numel,
                 "allreduce_fp32_s": fp32_s,
+                "allreduce_bf16_s": bf16_s,
                 "onebit_s": onebit_s,
                 "speedup": fp32_s / onebit_s,
                 "rel_error_one_call": one_call_error,

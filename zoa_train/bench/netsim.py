@@ -501,10 +501,10 @@ def format_netsim(result: dict):
         parts.append(optimizer_table(title, caption, columns, lines))
     if result["comm"]:
         table = Table(title=f"bench comm over the same links: fp32 vs 1-bit allreduce, median of {result['comm']['repeats']}")
-        for name in ("elements", "fp32 s", "1-bit s", "speed-up", "fp32 bytes / rank", "1-bit bytes / rank"):
+        for name in ("elements", "fp32 s", "bf16 s", "1-bit s", "speed-up", "fp32 bytes / rank", "1-bit bytes / rank"):
             table.add_column(name, justify="right")
         for r in result["comm"]["results"]:
-            table.add_row(f"{r['numel']:,}", f"{r['allreduce_fp32_s']:.4f}", f"{r['onebit_s']:.4f}", f"{r['speedup']:.2f}x",
+            table.add_row(f"{r['numel']:,}", f"{r['allreduce_fp32_s']:.4f}", f"{r['allreduce_bf16_s']:.4f}", f"{r['onebit_s']:.4f}", f"{r['speedup']:.2f}x",
                           format_bytes(r["fp32_bytes_per_rank"]), format_bytes(r["onebit_bytes_per_rank"]))  # fmt: skip
         parts.append(table)
         rows = [r for r in result["comm"]["results"] if "node_aware_s" in r]

@@ -25,9 +25,14 @@ working at once. The bytes are those this implementation sends (docs/algorithm.m
                             local ranks at once, all over the node's link), an fp32 all-gather inside
                             the node
 
-A 1-bit call also spends the encoding and decoding of its buffer on the rank (`compress_rate`
-elements per second: a size over its 1-bit time in `zoa-train bench comm` on one machine, where the transfer is negligible). With one rank nothing is sent:
-bytes and time are zero, while bits, rounds and syncs stay the schedule's nominal counts.
+Each call also costs time on the ranks themselves, besides its transfer: a 1-bit call encodes and
+decodes its buffer (`compress_rate` elements per second), a full-precision collective copies, sends
+and sums what it sends (`reduce_rate` elements per second: 2(n-1)/n of the buffer in a ring, 2(G-1)/G
+in the node-aware call's part inside the node). Both are
+measured on the machine to be predicted, by a calibration run over a fast link (docs/algorithm.md,
+"Predicting time"); on GPUs, where NCCL reduces in device memory, `reduce_rate` hardly limits. With
+one rank nothing is sent: bytes and time are zero, while bits, rounds and syncs stay the schedule's
+nominal counts.
 
 Given a compute time per step (`StepCosts.step_time`: forward, backward and optimizer on one rank,
 nothing sent), the plan also predicts step and total time. DDP (Adam and every optimizer that does not
@@ -87,6 +92,7 @@ class StepCosts:
     step_time: float  # seconds of forward, backward and optimizer step on one rank, nothing sent
     backward_fraction: float = 2 / 3  # share of step_time that DDP's allreduce can overlap
     compress_rate: float = math.inf  # buffer elements per second a rank encodes and decodes in a 1-bit call
+    reduce_rate: float = math.inf  # elements per second a rank sends and sums in full precision (a ring: 2(n-1)/n of the buffer)
     bucket_bytes: int = DDP_BUCKET_BYTES
 
 
@@ -105,13 +111,14 @@ def onebit_call_bytes(num_params: int, world_size: int) -> int:
     return 2 * (world_size - 1) * onebit_layout(num_params, world_size).segment
 
 
-def allreduce_cost(numel: int, element_size: int, cluster: Cluster) -> CallCost:
+def allreduce_cost(numel: int, element_size: int, cluster: Cluster, reduce_rate: float = math.inf) -> CallCost:
     n, g = cluster.world, cluster.ranks_per_node
     if n == 1:
         return CallCost(0, 0, 0.0)
     volume = ring_allreduce_bytes(numel, element_size, n)  # what each link of the ring carries
     inter = volume if cluster.nodes > 1 else 0
-    return CallCost(volume, inter, cluster.phase(inter, (g - 1) * volume, 2 * (n - 1)))
+    sent = volume / element_size  # elements each rank sends and sums: the work on the rank
+    return CallCost(volume, inter, cluster.phase(inter, (g - 1) * volume, 2 * (n - 1)) + sent / reduce_rate)
 
 
 def flat_onebit_cost(numel: int, cluster: Cluster, compress_rate: float = math.inf) -> CallCost:
@@ -129,14 +136,17 @@ def flat_onebit_cost(numel: int, cluster: Cluster, compress_rate: float = math.i
     return CallCost(2 * (n - 1) * segment, to_all_inter + gather_inter, to_all + gather + numel / compress_rate)
 
 
-def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf) -> CallCost:
+def hierarchical_onebit_cost(
+    numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf, reduce_rate: float = math.inf
+) -> CallCost:
     g, nodes = cluster.ranks_per_node, cluster.nodes
     shard = -(-numel // g)
     among_nodes = Cluster(nodes, 1, cluster.bandwidth / g, cluster.latency, cluster.intra_bandwidth, cluster.backend)
     inner = flat_onebit_cost(shard, among_nodes)  # the G local ranks share the node's link
     intra_in = (g - 1) * shard * intra_element_size  # each rank's all-to-all sends (G-1)/G of the buffer
     intra_out = (g - 1) * shard * 4  # fp32 all-gather
-    seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0) + shard / compress_rate
+    seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0)
+    seconds += shard / compress_rate + 2 * (g - 1) * shard / reduce_rate  # encoding the shard; the elements sent in full precision
     return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out)
 
 
@@ -151,7 +161,7 @@ def ddp_exposed_time(numel: int, element_size: int, cluster: Cluster, costs: Ste
     done, ready = 0.0, 0
     for size in sizes:
         ready += size
-        bucket = allreduce_cost(-(-size // 4), element_size, cluster).seconds
+        bucket = allreduce_cost(-(-size // 4), element_size, cluster, costs.reduce_rate).seconds
         done = max(done, backward * ready / total) + bucket
     return max(0.0, done - backward)
 
@@ -224,6 +234,7 @@ def plan(
         _check(costs.step_time > 0 and math.isfinite(costs.step_time), f"step time must be a positive number of seconds, got {costs.step_time}.")
         _check(0 <= costs.backward_fraction <= 1, f"the backward fraction must be between 0 and 1, got {costs.backward_fraction}.")
         _check(costs.compress_rate > 0, f"the compression rate must be a positive number of elements/s, got {costs.compress_rate}.")
+        _check(costs.reduce_rate > 0, f"the reduction rate must be a positive number of elements/s, got {costs.reduce_rate}.")
     unknown = set(knobs) - {f.name for f in registry.knob_fields()}
     _check(not unknown, f"no optimizer has the knob {', '.join(sorted(unknown))}.")
     for spec in map(registry.get, registry.names()):
@@ -233,11 +244,11 @@ def plan(
 
     cluster = Cluster(world_size // ranks_per_node, ranks_per_node, bandwidth_bytes_per_s, latency_s, intra_bandwidth_bytes_per_s, backend)
     element = allreduce_bits // 8
-    rate = costs.compress_rate if costs else math.inf
-    fp = allreduce_cost(num_params, element, cluster)
+    rate, reduce = (costs.compress_rate, costs.reduce_rate) if costs else (math.inf, math.inf)
+    fp = allreduce_cost(num_params, element, cluster, reduce)
     topologies = {"flat": flat_onebit_cost(num_params, cluster, rate)}
     if cluster.nodes > 1 and ranks_per_node > 1:
-        topologies["hierarchical"] = hierarchical_onebit_cost(num_params, element, cluster, rate)
+        topologies["hierarchical"] = hierarchical_onebit_cost(num_params, element, cluster, rate, reduce)
     result = {}
     for name in registry.names():
         spec = registry.get(name)
