@@ -294,8 +294,8 @@ def _check(ok: bool, message: str) -> None:
 _QUANTITY = re.compile(r"^\s*((?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([^\s/]*)\s*(/s)?\s*$")
 # Decimal units, as network bandwidth is quoted; "bit" units are divided by 8.
 _BANDWIDTH_UNITS = {
-    "": 1.0, "B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9,
-    "bit": 1 / 8, "Kbit": 1e3 / 8, "Mbit": 1e6 / 8, "Gbit": 1e9 / 8,
+    "": 1.0, "B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
+    "bit": 1 / 8, "Kbit": 1e3 / 8, "Mbit": 1e6 / 8, "Gbit": 1e9 / 8, "Tbit": 1e12 / 8,
 }  # fmt: skip
 _LATENCY_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
 
@@ -314,7 +314,7 @@ def parse_bandwidth(text: str | float) -> float:
         if match is None or unit not in _BANDWIDTH_UNITS:
             raise UserError(
                 f"bandwidth {text!r} is not understood: expected a positive number with an optional unit "
-                "Gbit, Mbit, GB or MB (optionally followed by /s), e.g. 10Gbit or 1.25GB/s, plain numbers being bytes/s."
+                "Tbit, Gbit, Mbit, TB, GB or MB (optionally followed by /s), e.g. 10Gbit or 1.25GB/s, plain numbers being bytes/s."
             )
         value, scale = float(match.group(1)), _BANDWIDTH_UNITS[unit]
     if not (value > 0 and math.isfinite(value)):
