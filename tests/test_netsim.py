@@ -122,6 +122,31 @@ def test_step_seconds_by_kind_are_recovered_from_the_windows():
     assert step_seconds_by_kind([]) == {} and mean_step_seconds([]) is None
 
 
+def test_plan_inputs_give_back_the_step_kinds_they_were_measured_from():
+    """Compute from 0/1 Adam's local step; encoding and reduction rates from 1-bit Adam's 1-bit and
+    full-precision steps: priced by plan with those rates, the two steps come out as measured."""
+    from zoa_train.optim.plan import Cluster, allreduce_cost, flat_onebit_cost
+
+    numel, compute = 1_000_000, 0.15
+    result = {"nodes": 2, "ranks_per_node": 2, "bandwidth_bits_per_s": 10**8, "latency_s": 0.0, "intra_bandwidth": None}
+    cluster = Cluster(2, 2, 10**8 / 8, 0.0, float("inf"), "gloo")
+    full_step = compute + 0.06 + allreduce_cost(numel, 2, cluster).seconds
+    onebit_step = compute + 0.05 + flat_onebit_cost(numel, cluster).seconds
+    result["runs"] = [
+        {"optimizer": "adam", "topology": None, "step_s_by_kind": {"f": 0.4}},
+        {"optimizer": "onebit_adam", "topology": "flat", "step_s_by_kind": {"f": full_step, "s": onebit_step}},
+        {"optimizer": "onebit_adam", "topology": "hierarchical", "step_s_by_kind": {"f": 9.0, "s": 9.0}},
+        {"optimizer": "zero_one_adam", "topology": "flat", "step_s_by_kind": {"v": 0.5, "s": 0.3, "l": compute}},
+    ]
+    inputs = netsim.plan_inputs(result, numel, 2)
+    assert inputs["step_time_s"] == compute and inputs["compress_rate"] == pytest.approx(numel / 0.05)
+    assert compute + allreduce_cost(numel, 2, cluster, inputs["reduce_rate"]).seconds == pytest.approx(full_step)
+    assert compute + flat_onebit_cost(numel, cluster, inputs["compress_rate"]).seconds == pytest.approx(onebit_step)
+    result["runs"][1]["step_s_by_kind"]["s"] = compute  # no time left for encoding: no rate
+    assert netsim.plan_inputs(result, numel, 2)["compress_rate"] is None
+    assert netsim.plan_inputs({**result, "runs": result["runs"][:3]}, numel, 2) is None  # no 0/1 Adam
+
+
 def test_step_time_time_to_target_and_speedups():
     def run(name, walls, vals):
         records = [{"step": s, "wall_time": w, "loss": 9.0, "tokens_per_s": 100.0 * s, "bits_per_param": 1.0, "rounds": s,

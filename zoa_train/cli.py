@@ -568,6 +568,8 @@ def bench_netsim(
     overrides = [*set_, *([f"train.steps={steps}"] if steps else [])]
     config = load_recipe(recipe, overrides)  # also imports the modules that register its optimizers
     names = parse_optimizers(optimizers)
+    num_params = count_parameters(config)
+    numels = [num_params]
     if comm_sizes.strip() == "none":
         numels = []
     elif comm_sizes.strip():
@@ -575,8 +577,6 @@ def bench_netsim(
             numels = [parse_size(s) for s in comm_sizes.split(",") if s.strip()]
         except ValueError as e:
             fail(f"--comm-sizes: {e}.")
-    else:
-        numels = [count_parameters(config)]
     if not names and not numels:
         fail("--optimizers none and --comm-sizes none leave nothing to run.")
     say = zoa_console.err.print
@@ -594,6 +594,7 @@ def bench_netsim(
             margin=margin,
             ranks_per_node=ranks_per_node,
             intra_bandwidth=intra_bandwidth,
+            num_params=num_params,
         )
     except RankFailed as e:
         zoa_console.error(str(e))

@@ -40,8 +40,9 @@ from pathlib import Path
 
 from zoa_train.errors import UserError
 from zoa_train.optim import registry
-from zoa_train.optim.plan import format_bytes, optimizer_table, parse_bandwidth, parse_latency
+from zoa_train.optim.plan import Cluster, allreduce_cost, flat_onebit_cost, format_bytes, optimizer_table, parse_bandwidth, parse_latency
 from zoa_train.runs import RunLog, first_reaching, mean_step_seconds, read_run, step_seconds_by_kind
+from zoa_train.step_kinds import FULL, LOCAL, ONEBIT
 
 SUBNET = "10.231.0"  # rank r is SUBNET.(r+1)/24, only ever inside this invocation's namespaces
 MASTER_PORT = 29500  # free in a fresh namespace; each run adds its index so no run meets the last one's TIME_WAIT
@@ -233,6 +234,31 @@ def add_speedups(rows: list[dict]) -> None:
         row["speedup_time_to_target"] = speedup(base["time_to_target_s"], row["time_to_target_s"]) if base else None
 
 
+def plan_inputs(result: dict, num_params: int, element_size: int) -> dict | None:
+    """`plan`'s --step-time, --compress-rate and --reduce-rate as this run measured them (docs/algorithm.md,
+    "Calibrating on a machine"): 0/1 Adam's local step is the compute; 1-bit Adam's 1-bit and
+    full-precision steps, less it and their transfer as plan models it over these links, are the work on
+    the ranks. None unless the run trained both optimizers flat; a rate is None where that work came out
+    at or below zero (a slow link whose transfer the model overestimates, or noise). Meant for a fast link,
+    where the transfer is a small part of the step."""
+    kinds = {(r["optimizer"], r["topology"] or "flat"): r["step_s_by_kind"] for r in result["runs"]}
+    compute = kinds.get(("zero_one_adam", "flat"), {}).get(LOCAL)
+    onebit = kinds.get(("onebit_adam", "flat"), {})
+    if compute is None or ONEBIT not in onebit or FULL not in onebit:
+        return None
+    intra = parse_bandwidth(result["intra_bandwidth"]) if result.get("intra_bandwidth") else float("inf")
+    cluster = Cluster(result["nodes"], result["ranks_per_node"], result["bandwidth_bits_per_s"] / 8, result["latency_s"], intra, "gloo")
+    encoding = onebit[ONEBIT] - compute - flat_onebit_cost(num_params, cluster).seconds
+    full = allreduce_cost(num_params, element_size, cluster)
+    reducing = onebit[FULL] - compute - full.seconds
+    sent = full.bytes_per_rank / element_size  # the elements each rank sends in the ring: what --reduce-rate counts
+    return {
+        "step_time_s": compute,
+        "compress_rate": num_params / encoding if encoding > 0 else None,
+        "reduce_rate": sent / reducing if reducing > 0 else None,
+    }
+
+
 # ---- the machine: network, rank processes -----------------------------------------------------------
 
 
@@ -387,9 +413,11 @@ def run_netsim(
     margin: float = 0.0,
     ranks_per_node: int = 1,
     intra_bandwidth: str = "",
+    num_params: int = 0,
 ) -> dict:
     """Train each optimizer over the emulated network (`ranks` in nodes of `ranks_per_node`), then run
-    bench comm over it; returns (and writes to OUT/netsim.json) the figures. Inputs are checked before
+    bench comm over it; returns (and writes to OUT/netsim.json) the figures, with `num_params` (the
+    model's) also `plan`'s inputs where the run gives them (plan_inputs). Inputs are checked before
     anything is created."""
     from zoa_train.config import check_batch_layout, load_recipe
 
@@ -445,6 +473,9 @@ def run_netsim(
     rows = [summarize(logs[row["label"]], target) | row for row in rows]
     add_speedups(rows)
     result |= {"adam_val_loss": adam, "target_margin": margin, "target_val_loss": target, "runs": rows, "comm": comm}
+    if num_params:
+        element_size = 4 if load_recipe(recipe, overrides).optimizer.allreduce_dtype == "fp32" else 2
+        result["plan_inputs"] = plan_inputs(result, num_params, element_size)
     (out / "netsim.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
 
@@ -517,4 +548,11 @@ def format_netsim(result: dict):
                 table.add_row(f"{r['numel']:,}", f"{r['onebit_s']:.4f}", f"{r['node_aware_s']:.4f}", f"{r['onebit_s'] / r['node_aware_s']:.2f}x",
                               format_bytes(g * r["onebit_inter_bytes_per_rank"]), format_bytes(g * r["node_aware_inter_bytes_per_rank"]))  # fmt: skip
             parts.append(table)
+    inputs = result.get("plan_inputs")
+    if inputs:
+        rate = lambda x: f"{x:.3g}" if x else "(none: the work came out at or below zero)"  # noqa: E731
+        parts.append(
+            f"plan's inputs from this run (meaningful over a fast link): --step-time {inputs['step_time_s'] * 1e3:.1f}ms "
+            f"--compress-rate {rate(inputs['compress_rate'])} --reduce-rate {rate(inputs['reduce_rate'])}"
+        )
     return Group(*parts)
