@@ -110,8 +110,8 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_nod
         def reset(work=work, x=x):
             work.copy_(x)
 
-        def reset_bf16(work=work_bf16, x=x):
-            work.copy_(x[:numel])
+        def reset_bf16(work=work_bf16, x=x[:numel]):
+            work.copy_(x)
 
         pairs = [
             (reset, lambda work=work: dist.all_reduce(work)),

@@ -136,9 +136,7 @@ def flat_onebit_cost(numel: int, cluster: Cluster, compress_rate: float = math.i
     return CallCost(2 * (n - 1) * segment, to_all_inter + gather_inter, to_all + gather + numel / compress_rate)
 
 
-def hierarchical_onebit_cost(
-    numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf, reduce_rate: float = math.inf
-) -> CallCost:
+def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf, reduce_rate: float = math.inf) -> CallCost:
     g, nodes = cluster.ranks_per_node, cluster.nodes
     shard = -(-numel // g)
     among_nodes = Cluster(nodes, 1, cluster.bandwidth / g, cluster.latency, cluster.intra_bandwidth, cluster.backend)
