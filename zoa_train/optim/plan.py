@@ -28,11 +28,11 @@ working at once. The bytes are those this implementation sends (docs/algorithm.m
 Each call also costs time on the ranks themselves, besides its transfer: a 1-bit call encodes and
 decodes its buffer (`compress_rate` elements per second), a full-precision collective copies, sends
 and sums what it sends (`reduce_rate` elements per second: 2(n-1)/n of the buffer in a ring, 2(G-1)/G
-in the node-aware call's part inside the node). Both are
-measured on the machine to be predicted, by a calibration run over a fast link (docs/algorithm.md,
-"Predicting time"); on GPUs, where NCCL reduces in device memory, `reduce_rate` hardly limits. With
-one rank nothing is sent: bytes and time are zero, while bits, rounds and syncs stay the schedule's
-nominal counts.
+in the node-aware call's part inside the node). Both are measured on the machine to be predicted, by
+a calibration run over a fast link (docs/algorithm.md, "Calibrating on a machine"; `bench netsim`
+prints them); on GPUs, where NCCL sums in device memory, `reduce_rate` hardly limits. With one rank
+nothing is sent: bytes and time are zero, while bits, rounds and syncs stay the schedule's nominal
+counts.
 
 Given a compute time per step (`StepCosts.step_time`: forward, backward and optimizer on one rank,
 nothing sent), the plan also predicts step and total time. DDP (Adam and every optimizer that does not
