@@ -295,11 +295,12 @@ def plan_command(
     if step_time:
         costs = StepCosts(parse_latency(step_time), backward_fraction, compress_rate or math.inf, reduce_rate or math.inf)
     o = config.optimizer
+    shapes = parameter_shapes(config)
     result = plan(
         config.train.steps,
         config.lr_schedule(),
         ranks,
-        params or count_parameters(config),
+        params or sum(math.prod(shape) for shape in shapes),
         **registry.knob_values(o),
         allreduce_bits=32 if o.allreduce_dtype == "fp32" else 16,
         bandwidth_bytes_per_s=parse_bandwidth(bandwidth),
@@ -309,6 +310,7 @@ def plan_command(
         backend=backend,
         costs=costs,
         betas=o.betas,
+        param_shapes=shapes,
     )
     if as_json:
         print(json.dumps(result))
@@ -319,16 +321,23 @@ def plan_command(
             zoa_console.err.print(f"warning ({name}): {record['warning']}")
 
 
-def count_parameters(config) -> int:
-    """Parameters of the recipe's model, built on the meta device (no memory, no download); a
-    language model's vocabulary is data.vocab_size, the size of a tokenizer trained for the recipe."""
+def parameter_shapes(config) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the recipe's model's parameters, built on the meta device (no memory, no download);
+    a language model's vocabulary is data.vocab_size, the size of a tokenizer trained for the recipe."""
     import torch
 
     from zoa_train.tasks import task_class
 
     with torch.device("meta"):
         model = task_class(config).model_for_counting(config)
-    return sum(p.numel() for p in model.parameters())
+    return tuple(tuple(p.shape) for p in model.parameters())
+
+
+def count_parameters(config) -> int:
+    """Parameters of the recipe's model (parameter_shapes)."""
+    import math
+
+    return sum(math.prod(shape) for shape in parameter_shapes(config))
 
 
 @app.command("report")

@@ -20,13 +20,13 @@ from matplotlib.ticker import FormatStrFormatter
 from zoa_train.errors import UserError
 from zoa_train.optim import registry
 from zoa_train.runs import RunLog, first_reaching, read_run
-from zoa_train.step_kinds import FULL, LOCAL, ONEBIT, STEP_KINDS, VARIANCE
+from zoa_train.step_kinds import FULL, LOCAL, LOW_RANK, ONEBIT, OUTER, STEP_KINDS, VARIANCE
 
 # One colour per optimizer (its registry entry's), the same in every plot; runs of one optimizer
 # differ by line style and marker.
 LINE_STYLES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D", "v", "P"]
-KIND_COLOURS = {VARIANCE: "#c0392b", FULL: "#34495e", ONEBIT: "#27ae60", LOCAL: "#f5d76e"}
+KIND_COLOURS = {VARIANCE: "#c0392b", FULL: "#34495e", ONEBIT: "#27ae60", LOCAL: "#f5d76e", LOW_RANK: "#16a085", OUTER: "#8e44ad"}
 MB = 1e6
 
 

@@ -117,6 +117,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     of groups; each group in its own layout, which its flat buffers take), and None without.
     """
 
+    _local_buffers: frozenset[str] = frozenset()  # flat buffers that are each rank's own even when parameters agree (DiLoCo's inner moments)
+
     def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None, collective: CollectiveFactory | None = None):
         self._constructed = False
         check_hyperparameters(type(self).__name__, defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
@@ -281,7 +283,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 "numels": [f.numel for f in self._flat],
                 "sizes": [f.size for f in self._flat],
                 "layouts": self.collective.layout_state() if self.collective is not None else None,
-                "buffers": None if self.parameters_differ else self._buffers,
+                "buffers": None if self.parameters_differ else self._some_buffers(shared=True),
                 "scalars": self._scalars,
                 "schedule": self.schedule.state_dict() if self.schedule is not None else None,
                 "ledger": self.ledger.state_dict(),
@@ -297,9 +299,13 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 "rank": self.rank,
                 "world_size": self.world_size,
                 "comms": self.collective.state_dicts() if self.collective is not None else [None] * len(self._flat),
-                "buffers": self._buffers if self.parameters_differ else None,
+                "buffers": self._buffers if self.parameters_differ else self._some_buffers(shared=False) if self._local_buffers else None,
             }
         }
+
+    def _some_buffers(self, shared: bool) -> list[dict[str, torch.Tensor]]:
+        """Each group's buffers that are the same on every rank (shared) or this rank's own."""
+        return [{k: v for k, v in group.items() if (k in self._local_buffers) != shared} for group in self._buffers]
 
     def load_state_dicts(self, shared: dict, rank: dict) -> None:
         """Restore from a shared state (any rank's) and this rank's own state."""
@@ -316,9 +322,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             raise ValueError(f"the {name} state is for parameter groups of sizes {saved['numels']}, not {[f.numel for f in self._flat]}")
         if saved.get("sizes") != [f.size for f in self._flat]:
             raise ValueError(f"the {name} state was saved with another 1-bit layout (an older zoa-train or another scale_row)")
-        buffers = saved["buffers"] if saved["buffers"] is not None else mine["buffers"]
-        if buffers is None:
-            raise ValueError(f"the {name} state holds neither shared nor per-rank buffers")
+        buffers = [{**(s or {}), **(r or {})} for s, r in zip(saved["buffers"] or [None] * len(self._flat), mine["buffers"] or [None] * len(self._flat))]
+        missing = sorted({key for current, found in zip(self._buffers, buffers) for key in current if key not in found})
+        if missing:
+            raise ValueError(f"the {name} state holds no {', '.join(missing)} (neither shared nor per rank)")
         for group, saved_group in zip(self.param_groups, shared["param_groups"]):
             group.update({k: v for k, v in saved_group.items() if k != "params"})
         for current, saved_buffers in zip(self._buffers, buffers):
@@ -335,8 +342,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     def load_resharded(self, shared: dict) -> None:
         """Continue a shared state saved at another world size (--reshard). m, v and the other flat
         buffers are identical on every rank at a synchronised step, so they carry over, moved by the
-        collective from the old layout into its own; this rank's own state (the 1-bit error buffers)
-        starts at zero, as built. A state saved inside a local-step period (the ranks' buffers then
+        collective from the old layout into its own; this rank's own state (the 1-bit error buffers,
+        DiLoCo's inner moments) starts at zero, as built. A state saved inside a local-step period (the ranks' buffers then
         differ) is refused."""
         saved, name = shared.get("zoa"), type(self).__name__
         if saved is None or saved.get("optimizer") != name:

@@ -165,28 +165,43 @@ def ddp_exposed_time(numel: int, element_size: int, cluster: Cluster, costs: Ste
 
 
 def _summary(
-    counts: PlanCounts, *, steps: int, fp: CallCost, onebit: CallCost, allreduce_bits: int, world_size: int, compute_s: float | None, fp_step_s: float
+    counts: PlanCounts,
+    *,
+    steps: int,
+    num_params: int,
+    fp: CallCost,
+    onebit: CallCost,
+    part_cost: Callable[[int, int], CallCost],
+    allreduce_bits: int,
+    world_size: int,
+    compute_s: float | None,
+    fp_step_s: float,
 ) -> dict:
-    """Totals of one optimizer from its counts of full-precision and 1-bit allreduces."""
+    """Totals of one optimizer from its counts of full-precision and 1-bit allreduces of the whole
+    model, and of its allreduces of parts (`part_cost(elements, element_size)` for each: none overlaps
+    backward)."""
     f, o = counts.fp_allreduces, counts.onebit_allreduces
+    parts = [(a.calls, a.elements, a.bits or allreduce_bits) for a in counts.other_allreduces]
+    part_costs = [(calls, part_cost(elements, bits // 8)) for calls, elements, bits in parts]
+    part_seconds = sum(calls * cost.seconds for calls, cost in part_costs)
     summary = {
         "steps": steps,
-        "bits_per_param": (f * allreduce_bits + o) / steps if steps else 0.0,
+        "bits_per_param": (f * allreduce_bits + o + sum(c * e * b for c, e, b in parts) / num_params) / steps if steps else 0.0,
         "rounds": counts.rounds,
         "syncs": counts.syncs,
         "variance_updates": counts.variance_updates,
         "fp_allreduces": f,
         "onebit_allreduces": o,
-        "collective_calls": f + 2 * o if world_size > 1 else 0,
-        "bytes_per_rank": f * fp.bytes_per_rank + o * onebit.bytes_per_rank,
+        "collective_calls": f + 2 * o + sum(c for c, _, _ in parts) if world_size > 1 else 0,
+        "bytes_per_rank": f * fp.bytes_per_rank + o * onebit.bytes_per_rank + sum(c * cost.bytes_per_rank for c, cost in part_costs),
         "intra_bytes_per_rank": o * onebit.intra_bytes_per_rank,
-        "inter_bytes_per_node": f * fp.inter_bytes_per_node + o * onebit.inter_bytes_per_node,
-        "comm_time_s": f * fp.seconds + o * onebit.seconds,
+        "inter_bytes_per_node": f * fp.inter_bytes_per_node + o * onebit.inter_bytes_per_node + sum(c * cost.inter_bytes_per_node for c, cost in part_costs),
+        "comm_time_s": f * fp.seconds + o * onebit.seconds + part_seconds,
         **counts.extra,
         **({"warning": counts.warning} if counts.warning else {}),
     }
     if compute_s is not None:
-        total = steps * compute_s + f * fp_step_s + o * onebit.seconds
+        total = steps * compute_s + f * fp_step_s + o * onebit.seconds + part_seconds
         summary |= {"step_time_s": total / steps if steps else 0.0, "total_time_s": total}
     return summary
 
@@ -205,6 +220,7 @@ def plan(
     backend: str = "nccl",
     costs: StepCosts | None = None,
     betas: tuple[float, float] = (0.9, 0.999),
+    param_shapes: tuple[tuple[int, ...], ...] = (),
     **knobs,
 ) -> dict[str, dict]:
     """Per registered optimizer name, the run's communication totals on `world_size` ranks, nodes of
@@ -250,14 +266,23 @@ def plan(
     result = {}
     for name in registry.names():
         spec = registry.get(name)
-        context = PlanContext(steps, lr_schedule, world_size, num_params, allreduce_bits, betas, spec.knobs_from(knobs))
+        context = PlanContext(steps, lr_schedule, world_size, num_params, allreduce_bits, betas, spec.knobs_from(knobs), param_shapes)
         counts = spec.plan(context)
         # What a full-precision step adds: all of it in step(), DDP's exposed part only.
         fp_step = fp.seconds if spec.uses_collective or costs is None else ddp_exposed_time(num_params, element, cluster, costs)
         compute = costs.step_time if costs else None
         records = {
             topology: _summary(
-                counts, steps=steps, fp=fp, onebit=onebit, allreduce_bits=allreduce_bits, world_size=world_size, compute_s=compute, fp_step_s=fp_step
+                counts,
+                steps=steps,
+                num_params=num_params,
+                fp=fp,
+                onebit=onebit,
+                part_cost=lambda elements, size: allreduce_cost(elements, size, cluster, reduce),
+                allreduce_bits=allreduce_bits,
+                world_size=world_size,
+                compute_s=compute,
+                fp_step_s=fp_step,
             )
             for topology, onebit in (topologies.items() if spec.uses_collective else [("flat", topologies["flat"])])
         }

@@ -13,6 +13,7 @@ are read from the optimizer classes' own signatures, so each default is written 
 
 import dataclasses
 import inspect
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -25,8 +26,10 @@ from zoa_train.checks import Check
 from zoa_train.comm import CollectiveFactory, OneBitAllReduce
 from zoa_train.errors import UserError
 from zoa_train.optim.adam import DataParallelAdam
+from zoa_train.optim.diloco import DiLoCo, OuterSchedule
 from zoa_train.optim.lr_schedules import LRSchedule
 from zoa_train.optim.onebit_adam import OneBitAdam
+from zoa_train.optim.powersgd import PowerSGDHook, powersgd_elements
 from zoa_train.optim.schedules import LOCAL_STEP_POLICIES, StepDecision, ZeroOneSchedule, variance_update_bound
 from zoa_train.optim.training import DDPBacked, SelfSyncing, TrainingOptimizer, parameter_groups
 from zoa_train.optim.zero_one_adam import ZeroOneAdam
@@ -93,7 +96,8 @@ class BuildContext:
 
 @dataclass(frozen=True)
 class PlanContext:
-    """What a spec's `plan` gets: a run's length, lr schedule, size and ranks, and its knobs."""
+    """What a spec's `plan` gets: a run's length, lr schedule, size and ranks, and its knobs;
+    `param_shapes`, the model's tensors' shapes where known (empty: not known)."""
 
     steps: int
     lr_schedule: LRSchedule
@@ -102,6 +106,16 @@ class PlanContext:
     allreduce_bits: int
     betas: tuple[float, float]
     knobs: Any
+    param_shapes: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class Allreduces:
+    """`calls` full-precision allreduces of `elements` each over a run (not of the whole model)."""
+
+    calls: int
+    elements: int
+    bits: int | None = None  # per element on the wire; None: the recipe's allreduce_dtype
 
 
 @dataclass(frozen=True)
@@ -113,6 +127,7 @@ class PlanCounts:
     rounds: int  # steps that communicate
     syncs: int  # steps after which every rank holds the same parameters
     variance_updates: int  # |T_v|
+    other_allreduces: tuple[Allreduces, ...] = ()  # full-precision allreduces of parts of the model (PowerSGD's factors, DiLoCo's fragments)
     extra: Mapping[str, Any] = field(default_factory=dict)  # more figures, kept in `plan --json`
     warning: str | None = None  # a setting that defeats the optimizer's purpose on this run, said once
 
@@ -209,10 +224,10 @@ def import_modules(modules: Iterable[str], origin: str) -> None:
 # ---- the built-in optimizers ------------------------------------------------------------------------
 
 
-def _build_adam(ctx: BuildContext) -> TrainingOptimizer:
-    """What users run: DDP with torch.optim.AdamW (fused on CUDA) on top, which always corrects bias;
-    without bias correction DataParallelAdam over a one-rank group (DDP has averaged the gradients, so
-    it only does the math, the same math as the 1-bit optimizers)."""
+def adam_on_ddp(ctx: BuildContext) -> Callable[[list[dict]], torch.optim.Optimizer]:
+    """The Adam that DDP-backed optimizers put on the averaged gradients: torch.optim.AdamW (fused on
+    CUDA), which always corrects bias; without bias correction DataParallelAdam over a one-rank group
+    (DDP has averaged the gradients, so it only does the math, the same math as the 1-bit optimizers)."""
     s = ctx.shared
 
     def adam(groups: list[dict]) -> torch.optim.Optimizer:
@@ -222,7 +237,15 @@ def _build_adam(ctx: BuildContext) -> TrainingOptimizer:
         own, _ = dist.new_subgroups(group_size=1)  # a collective: every rank makes its one-rank group
         return DataParallelAdam(groups, lr=s.lr, betas=s.betas, eps=s.eps, bias_correction=False, process_group=own)
 
-    return DDPBacked(ctx.model, ctx.device, ctx.world_size, adam, name="adam", weight_decay=s.weight_decay, allreduce_dtype=DTYPES[s.allreduce_dtype])
+    return adam
+
+
+def _build_adam(ctx: BuildContext) -> TrainingOptimizer:
+    """What users run: DDP with Adam on top."""
+    s = ctx.shared
+    return DDPBacked(
+        ctx.model, ctx.device, ctx.world_size, adam_on_ddp(ctx), name="adam", weight_decay=s.weight_decay, allreduce_dtype=DTYPES[s.allreduce_dtype]
+    )
 
 
 def _plan_adam(ctx: PlanContext) -> PlanCounts:
@@ -352,5 +375,138 @@ register(
         _note_zero_one_adam,
         colour="#1f6fc0",
         uses_collective=True,
+    )
+)
+
+
+@dataclass
+class PowerSGDKnobs:
+    freeze_step: int = library_default(OneBitAdam, "freeze_step")  # full-precision steps before compressing, as 1-bit Adam's
+    powersgd_rank: int = library_default(PowerSGDHook, "rank")  # r of each gradient matrix's P and Q
+    powersgd_min_compression_rate: float = library_default(PowerSGDHook, "min_compression_rate")  # send a matrix whole unless r(n+m) x this < nm
+    powersgd_error_feedback: bool = library_default(PowerSGDHook, "error_feedback")
+    powersgd_warm_start: bool = library_default(PowerSGDHook, "warm_start")  # Q from the previous step
+
+
+def _build_powersgd(ctx: BuildContext) -> TrainingOptimizer:
+    """DDP with torch's PowerSGD hook (zoa_train/optim/powersgd.py), Adam on top as `adam`'s."""
+    s, k = ctx.shared, ctx.knobs
+    if k.freeze_step < 2 and (k.powersgd_error_feedback or k.powersgd_warm_start):
+        raise UserError(
+            f"optimizer.freeze_step must be at least 2 for powersgd with error feedback or warm start, not {k.freeze_step}: "
+            "DDP lays its buckets out anew after the first step, which torch's PowerSGD hook must not compress."
+        )
+    hook = PowerSGDHook(
+        ctx.model,
+        rank=k.powersgd_rank,
+        start_step=k.freeze_step,
+        min_compression_rate=k.powersgd_min_compression_rate,
+        error_feedback=k.powersgd_error_feedback,
+        warm_start=k.powersgd_warm_start,
+        warmup_dtype=DTYPES[s.allreduce_dtype],
+    )
+    return DDPBacked(
+        ctx.model,
+        ctx.device,
+        ctx.world_size,
+        adam_on_ddp(ctx),
+        name="powersgd",
+        weight_decay=s.weight_decay,
+        allreduce_dtype=DTYPES[s.allreduce_dtype],
+        comm_hook=hook,
+    )
+
+
+def _plan_powersgd(ctx: PlanContext) -> PlanCounts:
+    """Full precision for t < freeze_step, then per step the tensors sent whole, the Ps and the Qs: three
+    fp32 allreduces (per DDP bucket; planned as one bucket), sizes from the model's shapes scaled to
+    num_params (a flat vector of num_params where the shapes are not known: nothing compressed)."""
+    k = ctx.knobs
+    warmup = min(k.freeze_step, ctx.steps)
+    shapes = ctx.param_shapes or ((ctx.num_params,),)
+    counted = sum(math.prod(shape) for shape in shapes)
+    parts = [round(n * ctx.num_params / counted) for n in powersgd_elements(shapes, k.powersgd_rank, k.powersgd_min_compression_rate)]
+    return PlanCounts(
+        fp_allreduces=warmup,
+        onebit_allreduces=0,
+        rounds=ctx.steps,
+        syncs=ctx.steps,
+        variance_updates=ctx.steps,
+        other_allreduces=tuple(Allreduces(ctx.steps - warmup, n, 32) for n in parts),
+        extra={"compressed_elements_per_step": sum(parts)},
+    )
+
+
+def _note_powersgd(record: dict) -> str:
+    return f"PowerSGD: {record['compressed_elements_per_step']:,} elements (fp32) per compressed step"
+
+
+register(
+    OptimizerSpec(
+        "powersgd",
+        "PowerSGD",
+        _build_powersgd,
+        _plan_powersgd,
+        PowerSGDKnobs,
+        {"freeze_step": checks.positive, "powersgd_rank": checks.positive, "powersgd_min_compression_rate": checks.positive},
+        _note_powersgd,
+        colour="#16a085",
+    )
+)
+
+
+@dataclass
+class DiLoCoKnobs:
+    sync_every: int = library_default(DiLoCo, "sync_every")  # H: inner steps between outer steps
+    outer_lr: float = library_default(DiLoCo, "outer_lr")
+    outer_momentum: float = library_default(DiLoCo, "outer_momentum")  # 0 with outer_lr 1: model averaging
+    outer_nesterov: bool = library_default(DiLoCo, "outer_nesterov")
+    fragments: int = library_default(DiLoCo, "fragments")  # Streaming DiLoCo above 1: one fragment's outer step every H/F steps
+
+
+def _build_diloco(ctx: BuildContext) -> TrainingOptimizer:
+    k = ctx.knobs
+    if k.fragments > k.sync_every:
+        raise UserError(
+            f"optimizer.fragments ({k.fragments}) must not exceed optimizer.sync_every ({k.sync_every}): each fragment needs a step of its own in a period."
+        )
+    optimizer = DiLoCo(ctx.parameter_groups(), **dataclasses.asdict(k), **ctx.optimizer_kwargs())
+    return SelfSyncing(ctx.model, optimizer, "diloco")
+
+
+def _plan_diloco(ctx: PlanContext) -> PlanCounts:
+    """One allreduce of a fragment (1/F of the model, planned equal) at each fragment's outer step."""
+    k = ctx.knobs
+    try:
+        schedule = OuterSchedule(k.sync_every, k.fragments)
+    except ValueError as e:
+        raise UserError(f"optimizer: {e}.") from None
+    per_step = [len(schedule.due(t)) for t in range(1, ctx.steps + 1)]
+    outer, rounds = sum(per_step), sum(1 for n in per_step if n)
+    return PlanCounts(
+        fp_allreduces=0,
+        onebit_allreduces=0,
+        rounds=rounds,
+        syncs=rounds if k.fragments == 1 else 0,
+        variance_updates=ctx.steps,
+        other_allreduces=(Allreduces(outer, -(-ctx.num_params // k.fragments)),),
+        extra={"outer_steps": outer},
+    )
+
+
+def _note_diloco(record: dict) -> str:
+    return f"DiLoCo: {record['outer_steps']:,} outer steps (fragments' included), {record['rounds']:,} rounds"
+
+
+register(
+    OptimizerSpec(
+        "diloco",
+        "DiLoCo",
+        _build_diloco,
+        _plan_diloco,
+        DiLoCoKnobs,
+        {"sync_every": checks.positive, "outer_lr": checks.positive, "outer_momentum": checks.FRACTION, "fragments": checks.positive},
+        _note_diloco,
+        colour="#b8860b",
     )
 )

@@ -4,9 +4,10 @@
 without knowing which optimizer it drives. Two wrappers implement it:
   DDPBacked    the model wrapped in DDP (bucketed allreduce overlapped with backward) with a torch
                optimizer on top; `adam` is this with AdamW (or without bias correction the same
-               math as the 1-bit optimizers), the baseline users would run; it records DDP's traffic
-  SelfSyncing  an optimizer that communicates itself (`onebit_adam`, `zero_one_adam`): the model
-               is not wrapped in DDP
+               math as the 1-bit optimizers), the baseline users would run; it records DDP's traffic,
+               or a DDPCommHook records its own (`powersgd`: torch's PowerSGD hook, Adam on top)
+  SelfSyncing  an optimizer that communicates itself (`onebit_adam`, `zero_one_adam`, `diloco`):
+               the model is not wrapped in DDP
 The registry (zoa_train/optim/registry.py) builds one of them for each optimizer name.
 
 Unsupported with the 1-bit optimizers, refused by SelfSyncing in one sentence (a UserError) rather
@@ -83,6 +84,29 @@ class TrainingOptimizer(Protocol):
         """Continue a shared state saved at another world size (--reshard)."""
 
 
+class DDPCommHook(Protocol):
+    """A DDP communication hook that counts what it sends and keeps state (PowerSGD's): DDPBacked
+    registers it instead of its own, and saves and restores its state beside the optimizer's."""
+
+    def register(self, module: torch.nn.Module, ledger: CommLedger) -> None:
+        """Register on `module` (the DDP wrapper); record each bucket's collectives in `ledger`."""
+
+    def step_kind(self) -> str:
+        """What the step whose buckets just ran did (zoa_train.step_kinds)."""
+
+    def shared_state_dict(self) -> dict:
+        """Its state that is the same on every rank."""
+
+    def rank_state_dict(self) -> dict:
+        """This rank's own state (error feedback)."""
+
+    def load_state_dicts(self, shared: dict, rank: dict) -> None:
+        """Restore both parts, saved at the same world size."""
+
+    def load_resharded(self, shared: dict) -> None:
+        """Continue from the shared part saved at another world size; the per-rank part starts afresh."""
+
+
 def parameter_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices and convolution kernels only: biases and norm weights (1-D) keep weight decay 0."""
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -117,6 +141,7 @@ class DDPBacked:
         weight_decay: float = 0.0,
         allreduce_dtype: torch.dtype | None = None,
         second_moment: bool = True,
+        comm_hook: "DDPCommHook | None" = None,
     ):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.nn.parallel import DistributedDataParallel
@@ -128,14 +153,18 @@ class DDPBacked:
             broadcast_buffers=bool(batchnorm_statistics(model)),
         )
         self.comm_dtype = allreduce_dtype
-        hook = {torch.float16: default_hooks.fp16_compress_hook, torch.bfloat16: default_hooks.bf16_compress_hook}.get(self.comm_dtype)
-        if hook:
-            self.module.register_comm_hook(None, hook)
+        self.num_params = sum(p.numel() for p in model.parameters())
+        self.ledger = CommLedger(num_params=self.num_params)
+        self.comm_hook = comm_hook
+        if comm_hook is not None:
+            comm_hook.register(self.module, self.ledger)
+        else:
+            hook = {torch.float16: default_hooks.fp16_compress_hook, torch.bfloat16: default_hooks.bf16_compress_hook}.get(self.comm_dtype)
+            if hook:
+                self.module.register_comm_hook(None, hook)
         self.optimizer = make_optimizer(parameter_groups(model, weight_decay))
         self.name = name
         self.second_moment = second_moment
-        self.num_params = sum(p.numel() for p in model.parameters())
-        self.ledger = CommLedger(num_params=self.num_params)
         self.world_size = world_size
         self.steps = 0
 
@@ -144,13 +173,16 @@ class DDPBacked:
 
     def step(self) -> str:
         self.optimizer.step()
-        # DDP averaged the gradients during backward (bucketed ring allreduce): count it here.
-        bits = 32 if self.comm_dtype is None else 16
-        nbytes = ring_allreduce_bytes(self.num_params, bits // 8, self.world_size)
-        self.ledger.record("ddp_allreduce", payload_bits=bits, elements=self.num_params, bytes_sent=nbytes)
+        kind = FULL
+        if self.comm_hook is not None:  # it recorded each bucket's collectives as backward ran them
+            kind = self.comm_hook.step_kind()
+        else:  # DDP averaged the gradients during backward (bucketed ring allreduce): count it here
+            bits = 32 if self.comm_dtype is None else 16
+            nbytes = ring_allreduce_bytes(self.num_params, bits // 8, self.world_size)
+            self.ledger.record("ddp_allreduce", payload_bits=bits, elements=self.num_params, bytes_sent=nbytes)
         self.ledger.end_step()
         self.steps += 1
-        return FULL
+        return kind
 
     @property
     def variance_updates(self) -> int:
@@ -168,14 +200,22 @@ class DDPBacked:
     def average_statistics(self) -> None:
         """DDP's buffers stay as DDP keeps them."""
 
-    # The optimizer's state is the same on every rank: saved once, nothing per rank.
+    # The optimizer's state is the same on every rank: saved once; a comm hook may keep some per rank.
     def shared_state_dict(self) -> dict:
-        return {"ddp_optimizer": self.name, "state": self.optimizer.state_dict(), "ledger": self.ledger.state_dict(), "steps": self.steps}
+        state = {"ddp_optimizer": self.name, "state": self.optimizer.state_dict(), "ledger": self.ledger.state_dict(), "steps": self.steps}
+        if self.comm_hook is not None:
+            state["comm_hook"] = self.comm_hook.shared_state_dict()
+        return state
 
     def rank_state_dict(self) -> dict:
-        return {}
+        return {"comm_hook": self.comm_hook.rank_state_dict()} if self.comm_hook is not None else {}
 
     def load_state_dicts(self, shared: dict, rank: dict) -> None:
+        self._load_shared(shared)
+        if self.comm_hook is not None:
+            self.comm_hook.load_state_dicts(shared["comm_hook"], rank["comm_hook"])
+
+    def _load_shared(self, shared: dict) -> None:
         if "adamw" in shared and self.name == "adam":  # written before optimizers had a registry
             shared = {"ddp_optimizer": "adam", "state": shared["adamw"], **shared}
         if shared.get("ddp_optimizer") != self.name:
@@ -185,8 +225,11 @@ class DDPBacked:
         self.steps = shared["steps"]
 
     def load_resharded(self, shared: dict) -> None:
-        """A checkpoint of another world size: the state is the same on every rank and has no per-rank part."""
-        self.load_state_dicts(shared, {})
+        """A checkpoint of another world size: the optimizer's state is the same on every rank; a comm
+        hook keeps its shared part and starts its per-rank part afresh."""
+        self._load_shared(shared)
+        if self.comm_hook is not None:
+            self.comm_hook.load_resharded(shared["comm_hook"])
 
 
 class SelfSyncing:

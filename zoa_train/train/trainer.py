@@ -213,7 +213,8 @@ class Trainer:
         """Say once (rank 0) what the optimizer's plan for this run warns of, e.g. 0/1 Adam's lr policy
         under a schedule that never lets it take a local step."""
         spec, o = registry.get(recipe.optimizer.name), recipe.optimizer
-        context = registry.PlanContext(recipe.train.steps, recipe.lr_schedule(), self.world, 1, 32, o.betas, spec.knobs_from(o))
+        shapes = tuple(tuple(p.shape) for p in self.model.parameters())
+        context = registry.PlanContext(recipe.train.steps, recipe.lr_schedule(), self.world, 1, 32, o.betas, spec.knobs_from(o), shapes)
         warning = spec.plan(context).warning
         if warning and self.is_main:
             log.warning(warning)

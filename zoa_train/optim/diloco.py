@@ -1,0 +1,207 @@
+"""DiLoCo (Douillard et al. 2023) and Streaming DiLoCo (Douillard et al. 2025) on torch.distributed.
+
+Every rank takes inner AdamW steps on its own gradients, sending nothing; every `sync_every` (H) steps
+the pseudo-gradient, the parameters at the last outer step minus the parameters now, is averaged over
+the ranks in full precision (`allreduce_dtype`) and an outer SGD step with Nesterov momentum moves the
+shared parameters from where they were at the last outer step (the paper's defaults: outer lr 0.7,
+momentum 0.9). The inner optimizer's moments stay each rank's own, as in the paper. With outer lr 1
+and no momentum an outer step sets every rank to the ranks' average: periodic model averaging (local
+SGD, here local AdamW). With `fragments` F > 1 (Streaming DiLoCo) the parameters are cut into F
+fragments of about equal size in model order, and fragment f has its outer step at the steps
+t = floor(H (f + 1) / F) mod H of each period: the same bytes per period, in F smaller rounds.
+
+Why not torchft's DiLoCo: it runs only under a torchft Manager, which needs a Lighthouse server
+process beside the job and a quorum with it at every outer step, and its own reconfigurable process
+groups; zoa-train's launchers (local spawn, torchrun, srun) start none of that, and its fault
+tolerance (replica groups that leave and rejoin) is not what is compared here. The outer loop is a
+few foreach operations and one allreduce on torch.distributed (docs/baselines.md).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from zoa_train.comm import allreduce
+from zoa_train.optim.base import DataParallelOptimizer
+from zoa_train.step_kinds import LOCAL, OUTER
+
+
+@dataclass
+class OuterSchedule:
+    """Which fragments take their outer step at which step, and how many steps each has gone without."""
+
+    sync_every: int
+    fragments: int = 1
+    since: list[int] = field(default_factory=list)  # steps since each fragment's last outer step
+
+    def __post_init__(self):
+        if self.sync_every < 1:
+            raise ValueError(f"sync_every must be at least 1, got {self.sync_every}")
+        if not 1 <= self.fragments <= self.sync_every:
+            raise ValueError(f"fragments must be between 1 and sync_every ({self.sync_every}), got {self.fragments}")
+        self.since = self.since or [0] * self.fragments
+
+    def offset(self, fragment: int) -> int:
+        """The step of each period (step number mod H) at which `fragment` takes its outer step."""
+        return (self.sync_every * (fragment + 1) // self.fragments) % self.sync_every
+
+    def due(self, step_number: int) -> list[int]:
+        """The fragments whose outer step is at step `step_number` (counted from 1)."""
+        return [f for f in range(self.fragments) if step_number % self.sync_every == self.offset(f)]
+
+    def state_dict(self) -> dict:
+        return {"since": list(self.since)}
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["since"]) != self.fragments:
+            raise ValueError(f"the DiLoCo state has {len(state['since'])} fragments and this run {self.fragments}")
+        self.since = list(state["since"])
+
+
+class DiLoCo(DataParallelOptimizer):
+    """DiLoCo: inner AdamW steps on each rank's own gradients, every `sync_every` steps an outer
+    Nesterov SGD step on the pseudo-gradient averaged over the ranks (optionally by fragments).
+
+    Use it without DDP: `step()` communicates at outer steps only. Parameters: lr=1e-3 (the inner
+    AdamW's, which an lr schedule sets), betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0 (decoupled,
+    matrices only as the recipes group them), bias_correction=False (the shared knobs of every
+    optimizer); sync_every=500 (H, the paper's), outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True
+    (the paper's), fragments=1 (Streaming DiLoCo above 1); process_group, allreduce_dtype (the
+    pseudo-gradient's on the wire).
+    State: per group flat fp32 inner m and v (each rank's own), the anchor (the parameters at the last
+    outer step) and the outer momentum: 4 fp32 copies of the model, and between outer steps each
+    rank's own parameters (the trainer saves them in the rank's checkpoint file).
+    """
+
+    _local_buffers = frozenset({"exp_avg", "exp_avg_sq"})  # the inner moments: never averaged
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        bias_correction: bool = False,
+        sync_every: int = 500,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        outer_nesterov: bool = True,
+        fragments: int = 1,
+        process_group=None,
+        allreduce_dtype: torch.dtype | None = None,
+    ):
+        if not outer_lr > 0:
+            raise ValueError(f"outer_lr must be positive, got {outer_lr}")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
+        super().__init__(params, defaults, process_group, allreduce_dtype)
+        self.schedule = OuterSchedule(sync_every, fragments)
+        self.outer_lr, self.outer_momentum, self.outer_nesterov = outer_lr, outer_momentum, outer_nesterov
+        for flat, buffers in zip(self._flat, self._buffers):
+            buffers["exp_avg"] = flat.keep(flat.zeros())
+            buffers["exp_avg_sq"] = flat.keep(flat.zeros())
+            buffers["anchor"] = flat.keep(flat.flatten([p.detach() for p in flat.params]))
+            buffers["outer_momentum"] = flat.keep(flat.zeros())
+        self._fragments = self._cut(fragments)
+
+    def _cut(self, fragments: int) -> list[dict[str, list[torch.Tensor]]]:
+        """Per fragment, the views of its parameters, anchor and outer momentum: consecutive parameters
+        (model order, across groups) of about numel/F elements each."""
+        entries = []
+        for flat, buffers in zip(self._flat, self._buffers):
+            if flat.numel:
+                entries += zip(flat.params, flat.views(buffers["anchor"]), flat.views(buffers["outer_momentum"]))
+        total = sum(p.numel() for p, _, _ in entries)
+        cut = [{"params": [], "anchor": [], "momentum": []} for _ in range(fragments)]
+        before = 0
+        for p, anchor, momentum in entries:
+            f = min(fragments - 1, before * fragments // max(total, 1))  # the fragment the parameter's first element falls in
+            before += p.numel()
+            for name, tensor in zip(("params", "anchor", "momentum"), (p, anchor, momentum)):
+                cut[f][name].append(tensor)
+        empty = [f for f, fragment in enumerate(cut) if not fragment["params"]]
+        if empty:
+            raise ValueError(f"{fragments} fragments leave fragment {empty[0]} without a parameter: use fewer")
+        return cut
+
+    @property
+    def variance_updates(self) -> int:
+        return self.step_count  # the inner AdamW updates its own v every step
+
+    @property
+    def parameters_differ(self) -> bool:
+        return any(self.schedule.since)
+
+    @property
+    def max_steps_apart(self) -> int:
+        return self.schedule.sync_every
+
+    def next_step_communicates(self) -> bool:
+        return bool(self.schedule.due(self.step_count + 1))
+
+    def _kind(self, synced: bool, variance_updated: bool) -> str:
+        return OUTER if synced else LOCAL
+
+    def synchronize(self) -> None:
+        """An outer step now for every fragment with inner steps since its last (before a final
+        evaluation), counted as a step of its own."""
+        pending = [f for f, since in enumerate(self.schedule.since) if since]
+        if not pending:
+            return super().synchronize()
+        with torch.no_grad():
+            for f in pending:
+                self._outer_step(f)
+        self._average_tensors(in_step=True)
+        self.ledger.end_step()
+
+    def _step(self) -> tuple[bool, bool, int]:
+        t = self.step_count
+        for group, flat, buffers in zip(self.param_groups, self._flat, self._buffers):
+            if flat.numel:
+                self._inner_step(group, flat, buffers, t)
+        self.schedule.since = [since + 1 for since in self.schedule.since]
+        due = self.schedule.due(t + 1)
+        for f in due:
+            self._outer_step(f)
+        return bool(due), True, self.schedule.sync_every
+
+    def _inner_step(self, group: dict, flat, buffers: dict, t: int) -> None:
+        """AdamW on this rank's own gradients (the math of DataParallelAdam, nothing sent)."""
+        (beta1, beta2), lr = group["betas"], group["lr"]
+        m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
+        grads, m_with, m_without = flat.split_by_grad(flat.views(m))
+        _, v_with, v_without = flat.split_by_grad(flat.views(v))
+        torch._foreach_lerp_(m_with, grads, 1 - beta1)
+        torch._foreach_mul_(v_with, beta2)
+        torch._foreach_addcmul_(v_with, grads, grads, value=1 - beta2)
+        if m_without:  # no gradient counts as a zero gradient
+            torch._foreach_mul_(m_without, beta1)
+            torch._foreach_mul_(v_without, beta2)
+        corrected = group["bias_correction"]
+        step_size = lr / (1 - beta1 ** (t + 1)) if corrected else lr
+        root_bc2 = math.sqrt(1 - beta2 ** (t + 1)) if corrected else 1.0
+        denom = torch.sqrt(v).add_(group["eps"] * root_bc2)
+        if group["weight_decay"]:
+            torch._foreach_mul_(flat.params, 1 - lr * group["weight_decay"])
+        torch._foreach_addcdiv_(flat.params, flat.views(m), flat.views(denom), value=-step_size * root_bc2)
+
+    def _outer_step(self, f: int) -> None:
+        """Average fragment f's pseudo-gradient (anchor - parameters) and take the outer SGD step from the
+        anchor; every rank ends on the same parameters of the fragment, which become its anchor."""
+        fragment = self._fragments[f]
+        params, anchor, momentum = fragment["params"], fragment["anchor"], fragment["momentum"]
+        deltas = torch._foreach_sub(anchor, params)
+        flat = torch.cat([d.reshape(-1) for d in deltas])
+        allreduce(flat, group=self.process_group, ledger=self.ledger, comm_dtype=self.allreduce_dtype)
+        deltas = [d.view_as(p) for d, p in zip(flat.split([p.numel() for p in params]), params)]
+        update = deltas
+        if self.outer_momentum:
+            torch._foreach_mul_(momentum, self.outer_momentum)
+            torch._foreach_add_(momentum, deltas)
+            update = torch._foreach_add(deltas, momentum, alpha=self.outer_momentum) if self.outer_nesterov else momentum
+        torch._foreach_add_(anchor, update, alpha=-self.outer_lr)
+        torch._foreach_copy_(params, anchor)
+        self.schedule.since[f] = 0
