@@ -350,9 +350,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             raise ValueError(f"this optimizer state is not a {name} state")
         if saved["buffers"] is None:
             raise UserError(
-                f"cannot reshard a checkpoint taken inside a 0/1 Adam local-step period (the ranks' parameters and momenta "
-                f"differ there); resume it at its {saved['world_size']} ranks, or reshard one taken at a synchronised step "
-                "(the last step of a run always is)."
+                f"cannot reshard a checkpoint taken while the ranks' parameters differ (inside a 0/1 Adam local-step period, "
+                f"between DiLoCo's outer steps); resume it at its {saved['world_size']} ranks, or reshard one taken at a "
+                "synchronised step (the last step of a run always is)."
             )
         if saved["numels"] != [f.numel for f in self._flat]:
             raise ValueError(f"the {name} state is for parameter groups of sizes {saved['numels']}, not {[f.numel for f in self._flat]}")
