@@ -11,6 +11,22 @@ import torch
 from zoa_train.optim.base import DataParallelOptimizer
 
 
+def apply_adamw(group: dict, flat, m: torch.Tensor, v: torch.Tensor, t: int) -> None:
+    """The AdamW step of step index t from the updated moments m and v of `flat`'s parameters (flat
+    tensors), with the group's lr, eps, weight decay and bias-correction setting."""
+    (beta1, beta2), lr = group["betas"], group["lr"]
+    corrected = group["bias_correction"]
+    step_size = lr / (1 - beta1 ** (t + 1)) if corrected else lr
+    root_bc2 = (1 - beta2 ** (t + 1)) ** 0.5 if corrected else 1.0
+    # m / (sqrt(v)/root_bc2 + eps) = root_bc2 * m / (sqrt(v) + eps*root_bc2): two passes for the
+    # denominator, as torch's AdamW. No infinite denominators here: where v == 0 every gradient
+    # so far was zero, so m is zero too and the step is zero anyway.
+    denom = torch.sqrt(v).add_(group["eps"] * root_bc2)
+    if group["weight_decay"]:
+        torch._foreach_mul_(flat.params, 1 - lr * group["weight_decay"])
+    torch._foreach_addcdiv_(flat.params, flat.views(m), flat.views(denom), value=-step_size * root_bc2)
+
+
 class DataParallelAdam(DataParallelOptimizer):
     """Adam (AdamW's decoupled weight decay) whose `step()` first averages the gradients over the
     ranks in full precision (one allreduce per group, `allreduce_dtype`, fp32 by default): the
@@ -49,19 +65,10 @@ class DataParallelAdam(DataParallelOptimizer):
         for group, flat, buffers in zip(self.param_groups, self._flat, self._buffers):
             if not flat.numel:
                 continue
-            (beta1, beta2), lr = group["betas"], group["lr"]
+            beta1, beta2 = group["betas"]
             m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
             grad = self._allreduce(flat, flat.flat_grad())
             m.lerp_(grad, 1 - beta1)
             v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-            corrected = group["bias_correction"]
-            step_size = lr / (1 - beta1 ** (t + 1)) if corrected else lr
-            root_bc2 = (1 - beta2 ** (t + 1)) ** 0.5 if corrected else 1.0
-            # m / (sqrt(v)/root_bc2 + eps) = root_bc2 * m / (sqrt(v) + eps*root_bc2): two passes for the
-            # denominator, as torch's AdamW. No infinite denominators here: where v == 0 every gradient
-            # so far was zero, so m is zero too and the step is zero anyway.
-            denom = torch.sqrt(v).add_(group["eps"] * root_bc2)
-            if group["weight_decay"]:
-                torch._foreach_mul_(flat.params, 1 - lr * group["weight_decay"])
-            torch._foreach_addcdiv_(flat.params, flat.views(m), flat.views(denom), value=-step_size * root_bc2)
+            apply_adamw(group, flat, m, v, t)
         return True, True, 1

@@ -17,12 +17,12 @@ tolerance (replica groups that leave and rejoin) is not what is compared here. T
 few foreach operations and one allreduce on torch.distributed (docs/baselines.md).
 """
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from zoa_train.comm import allreduce
+from zoa_train.optim.adam import apply_adamw
 from zoa_train.optim.base import DataParallelOptimizer
 from zoa_train.step_kinds import LOCAL, OUTER
 
@@ -170,7 +170,7 @@ class DiLoCo(DataParallelOptimizer):
 
     def _inner_step(self, group: dict, flat, buffers: dict, t: int) -> None:
         """AdamW on this rank's own gradients (the math of DataParallelAdam, nothing sent)."""
-        (beta1, beta2), lr = group["betas"], group["lr"]
+        beta1, beta2 = group["betas"]
         m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
         grads, m_with, m_without = flat.split_by_grad(flat.views(m))
         _, v_with, v_without = flat.split_by_grad(flat.views(v))
@@ -180,13 +180,7 @@ class DiLoCo(DataParallelOptimizer):
         if m_without:  # no gradient counts as a zero gradient
             torch._foreach_mul_(m_without, beta1)
             torch._foreach_mul_(v_without, beta2)
-        corrected = group["bias_correction"]
-        step_size = lr / (1 - beta1 ** (t + 1)) if corrected else lr
-        root_bc2 = math.sqrt(1 - beta2 ** (t + 1)) if corrected else 1.0
-        denom = torch.sqrt(v).add_(group["eps"] * root_bc2)
-        if group["weight_decay"]:
-            torch._foreach_mul_(flat.params, 1 - lr * group["weight_decay"])
-        torch._foreach_addcdiv_(flat.params, flat.views(m), flat.views(denom), value=-step_size * root_bc2)
+        apply_adamw(group, flat, m, v, t)
 
     def _outer_step(self, f: int) -> None:
         """Average fragment f's pseudo-gradient (anchor - parameters) and take the outer SGD step from the
