@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    if args.own_optimizer:  # after TrainingArguments, which starts the process group the optimizer communicates over
+    if args.own_optimizer:  # after TrainingArguments, which starts the process group the optimizer communicates over,
+        model.to(training.device)  # and over the model on its device: the optimizer's state is laid out there once
         own = {"zero_one_adam": ZeroOneAdam, "onebit_adam": OneBitAdam}[args.optimizer](model.parameters(), lr=training.learning_rate, **knobs)
         choice = {"optimizers": (own, None)}  # None: Trainer's scheduler from TrainingArguments
     else:  # by name, as a recipe names it: the registry's defaults for the knobs not given
