@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         per_device_eval_batch_size=8,
         bf16=args.bf16,
         report_to=args.report_to,
-        use_cpu=not torch.cuda.is_available(),  # without it Trainer sees one process per CPU machine, not torchrun's ranks
+        use_cpu=not torch.cuda.is_available(),  # on CPU accelerate takes torchrun's ranks only with it
         dataloader_num_workers=0,
         disable_tqdm=True,
     )

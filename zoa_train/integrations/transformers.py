@@ -155,6 +155,11 @@ class ZoaTrainer(Trainer):
             raise UserError(
                 f"ZoaTrainer trains with zoa-train's self-syncing optimizers, not {type(self.optimizer).__name__}, which needs DDP; use transformers.Trainer for it."
             )
+        if _world()[0] != self.args.world_size:
+            raise UserError(
+                f"torch.distributed has {_world()[0]} ranks and Trainer sees {self.args.world_size}; on a machine without GPUs pass "
+                "TrainingArguments(use_cpu=True), which makes accelerate take torchrun's ranks."
+            )
         if self.optimizer is not None and self.optimizer.world_size != self.args.world_size:
             raise UserError(
                 f"the optimizer was built over {self.optimizer.world_size} rank(s) and Trainer runs on {self.args.world_size}: build it "
