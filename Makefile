@@ -11,7 +11,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -e '.[dev,hf]'
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -28,7 +28,7 @@ quick: lint
 	$(BIN)/python -m pytest $(QUICK)
 
 # The formatter and the linter (ruff, settings in pyproject.toml): part of `make test`; `make format` applies both.
-LINTED := zoa_train tests scripts
+LINTED := zoa_train tests scripts examples
 lint: $(STAMP)
 	$(BIN)/ruff format --check --quiet $(LINTED)
 	$(BIN)/ruff check --quiet $(LINTED)
