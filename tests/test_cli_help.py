@@ -13,6 +13,7 @@ COMMANDS = [
     [],
     ["run"],
     ["plan"],
+    ["convert-deepspeed"],
     ["report"],
     ["bench"],
     ["bench", "comm"],

@@ -340,6 +340,31 @@ def count_parameters(config) -> int:
     return sum(math.prod(shape) for shape in parameter_shapes(config))
 
 
+@app.command("convert-deepspeed")
+def convert_deepspeed_command(
+    config: Annotated[Path, typer.Argument(help="A DeepSpeed config (JSON) with optimizer type OneBitAdam, ZeroOneAdam, Adam or AdamW.")],
+    model: Annotated[
+        str,
+        typer.Option(
+            help="The model, which a DeepSpeed config does not name: gpt2, gpt2-medium, bert-base, bert-large, resnet50, ... [default: bert-large]",
+            show_default=False,
+        ),
+    ] = "bert-large",
+    out: Annotated[Path | None, typer.Option(help="Write the recipe here (atomically) instead of printing it.", show_default=False)] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing --out file.")] = False,
+    set_: Annotated[list[str], typer.Option("--set", help="Set a recipe value the config does not hold, e.g. train.steps=N (repeatable).")] = [],
+) -> None:
+    """Convert a DeepSpeed config into a zoa-train recipe: a comment on every line whose meaning changed; keys that cannot map are refused (docs/from-deepspeed.md)."""
+    from zoa_train.integrations.deepspeed import convert, write_recipe
+
+    text = convert(config, model, set_)
+    if out is None:
+        print(text, end="")
+        return
+    write_recipe(text, out, overwrite)
+    zoa_console.err.print(f"wrote {out}", highlight=False, markup=False)
+
+
 @app.command("report")
 def report_command(
     run_dirs: Annotated[list[Path], typer.Argument(help="Run directories (each with metrics.jsonl), e.g. runs/gpt2_tiny.", show_default=False)],
