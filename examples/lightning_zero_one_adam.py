@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=128, help="training blocks (split over the ranks)")
     parser.add_argument("--batch-size", type=int, default=8, help="per rank")
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (each rank's own gradient norm)")
     parser.add_argument("--precision", default="32-true", help="32-true or bf16-mixed")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--resume", help="a checkpoint this script wrote")
@@ -98,6 +99,7 @@ def main() -> None:
         max_epochs=args.epochs,
         precision=args.precision,
         accumulate_grad_batches=args.accumulate,
+        gradient_clip_val=args.clip,
         logger=CSVLogger(args.out, name="", version=""),
         log_every_n_steps=1,
         callbacks=[ModelCheckpoint(dirpath=args.out / "checkpoints", filename="{epoch}", save_top_k=-1, every_n_epochs=1)],

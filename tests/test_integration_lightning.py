@@ -88,8 +88,8 @@ def test_resume_from_a_lightning_checkpoint_equals_the_uninterrupted_run(zero_on
     assert step_logs(out)[23] == step_logs(zero_one_run)[23]  # the ledger resumed too
 
 
-def test_onebit_adam_with_bf16_and_gradient_accumulation(tmp_path):
-    """1-bit Adam, 256 blocks in batches of 4 accumulated 2 at a time: 16 steps, full precision up to step 4."""
+def test_onebit_adam_with_bf16_gradient_accumulation_and_clipping(tmp_path):
+    """1-bit Adam, 256 blocks in batches of 4 accumulated 2 at a time, gradients clipped: 16 steps, full precision up to step 4."""
     out = tmp_path / "onebit"
     torchrun(
         "--out",
@@ -106,6 +106,8 @@ def test_onebit_adam_with_bf16_and_gradient_accumulation(tmp_path):
         "2",
         "--precision",
         "bf16-mixed",
+        "--clip",
+        "1.0",
     )
     assert_identical(*final_parameters(out))
     logs = step_logs(out)
