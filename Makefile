@@ -11,7 +11,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[dev,hf]'
+	$(BIN)/pip install --quiet -e '.[dev,hf,lightning]'
 	touch $(STAMP)
 
 run: $(STAMP)
