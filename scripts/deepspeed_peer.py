@@ -252,7 +252,9 @@ def table(work: Path) -> str:
         "|---|---|" + "---|" * (len(VAL_STEPS) + 2),
     ]
     for name in OPTIMIZERS:
-        for who, path in (("zoa-train", work / f"zoa_{name}" / "metrics.jsonl"), ("DeepSpeed 0.19.6", work / f"ds_{name}" / "metrics.jsonl")):
+        runs = (("zoa-train", f"zoa_{name}"), ("DeepSpeed 0.19.6", f"ds_{name}"))
+        for who, run in runs:
+            path = work / run / "metrics.jsonl"
             if not path.exists():
                 continue
             rows = read_rows(path)
