@@ -70,7 +70,7 @@ def dump(out: Path) -> None:
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
 
-def ds_config(name: str, meta: dict) -> dict:
+def ds_config(name: str, meta: dict, comm_dtype: str = "bf16") -> dict:
     """DeepSpeed's config for zoa-train's optimizer `name` with the recipe's settings."""
     o = meta["optimizer"]
     params = {"lr": o["lr"], "betas": o["betas"], "eps": o["eps"], "weight_decay": o["weight_decay"]}
@@ -94,7 +94,7 @@ def ds_config(name: str, meta: dict) -> dict:
         # Adam: DDP averages, then zoa-train clips the average (the engine's clip of identical gradients
         # is the same). 1-bit: each rank clips its own gradient before anything is sent (worker()).
         "gradient_clipping": meta["grad_clip"] if name == "adam" else 0.0,
-        "communication_data_type": "bf16",  # the recipe's allreduce_dtype for full-precision rounds
+        "communication_data_type": comm_dtype,  # the recipe's allreduce_dtype for full-precision rounds
         "steps_per_print": 10**9,
     }
 
@@ -145,7 +145,7 @@ def adapt_deepspeed_for_cpu(counter: dict) -> None:
     compressed.CompressedBackend.compressed_allreduce = counted
 
 
-def worker(data: Path, name: str, out: Path, steps: int | None = None) -> None:
+def worker(data: Path, name: str, out: Path, steps: int | None = None, comm_dtype: str = "bf16") -> None:
     """One rank under torchrun, in the side venv."""
     import deepspeed
     import torch
@@ -176,7 +176,7 @@ def worker(data: Path, name: str, out: Path, steps: int | None = None) -> None:
         mask = torch.zeros_like(wpe)
         mask[:seq_len] = 1
         groups[2]["exp_avg_mask"] = mask
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(name, meta))
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups, config=ds_config(name, meta, comm_dtype))
     params = list(model.parameters())
     num_params = meta["num_params"]
 
@@ -194,7 +194,7 @@ def worker(data: Path, name: str, out: Path, steps: int | None = None) -> None:
                 torch.nn.utils.clip_grad_norm_(params, meta["grad_clip"])
         if engine.enable_backward_allreduce:  # the engine's full-precision allreduce (bf16)
             engine.allreduce_gradients()
-            counter["bits"] += 16 * num_params
+            counter["bits"] += (16 if comm_dtype == "bf16" else 32) * num_params
             counter["called"] = True
         engine.step()
         for p in params:
@@ -231,11 +231,14 @@ def worker(data: Path, name: str, out: Path, steps: int | None = None) -> None:
     dist.destroy_process_group()
 
 
-def train(venv: Path, data: Path, name: str, out: Path, steps: int | None = None) -> None:
+def train(venv: Path, data: Path, name: str, out: Path, steps: int | None = None, comm_dtype: str = "bf16") -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     torchrun = [str(venv / "bin" / "torchrun"), "--nproc-per-node", "2", "--master-port", "29517"]
     subprocess.run(
-        torchrun + [__file__, "worker", "--data", str(data), "--optimizer", name, "--out", str(out)] + (["--steps", str(steps)] if steps else []),
+        torchrun
+        + [__file__, "worker", "--data", str(data), "--optimizer", name, "--out", str(out)]
+        + (["--steps", str(steps)] if steps else [])
+        + ["--comm-dtype", comm_dtype],
         check=True,
         env=env,
     )
@@ -275,6 +278,8 @@ def main() -> None:
         p.add_argument("--out", type=Path)
         p.add_argument("--work", type=Path, default=Path("/work/runs/ds_peer"))
         p.add_argument("--optimizer", choices=OPTIMIZERS, default="zero_one_adam")
+        # fp32: a control against zoa-train run with --set optimizer.allreduce_dtype=fp32 under the side venv's torch
+        p.add_argument("--comm-dtype", choices=("bf16", "fp32"), default="bf16")
         p.add_argument("--steps", type=int, help="fewer steps than the recipe's (a smoke test)")
     a = parser.parse_args()
     if a.command == "setup":
@@ -282,9 +287,9 @@ def main() -> None:
     elif a.command == "dump":
         dump(a.out)
     elif a.command == "train":
-        train(a.venv, a.data, a.optimizer, a.out, a.steps)
+        train(a.venv, a.data, a.optimizer, a.out, a.steps, a.comm_dtype)
     elif a.command == "worker":
-        worker(a.data, a.optimizer, a.out, a.steps)
+        worker(a.data, a.optimizer, a.out, a.steps, a.comm_dtype)
     elif a.command == "table":
         print(table(a.work))
     else:
