@@ -176,3 +176,47 @@ def test_refuses_an_optimizer_that_needs_ddp(monkeypatch, tmp_path):
 def test_refuses_ddp_wrapper_arguments():
     with pytest.raises(UserError, match="takes no find_unused_parameters"):
         SelfSyncingStrategy(find_unused_parameters=True)
+
+
+RANK_BUFFER_SCRIPT = """
+import sys
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from zoa_train.integrations.lightning import SelfSyncingStrategy
+from zoa_train.optim import ZeroOneAdam
+
+class Model(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        rank = int(__import__("os").environ["RANK"])
+        torch.manual_seed(rank)  # every rank its own initialisation, as without seed_everything
+        self.layer = torch.nn.Linear(4, 1)
+        self.register_buffer("scale", torch.full((3,), float(rank + 1)))
+
+    def training_step(self, batch, batch_idx):
+        return (self.layer(batch[0]) * self.scale[0]).pow(2).mean()
+
+    def configure_optimizers(self):
+        return ZeroOneAdam(self.parameters(), lr=1e-2, var_freeze_step=1)
+
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=4)
+trainer = pl.Trainer(strategy=SelfSyncingStrategy(), accelerator="cpu", devices=2, max_steps=2, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+model = Model()
+trainer.fit(model, data)
+torch.save(model.state_dict(), sys.argv[1] + f"/state{dist.get_rank()}.pt")
+"""
+
+
+def test_every_rank_starts_from_rank_zeros_parameters_and_buffers(tmp_path):
+    """As under DDP: a model initialised differently on each rank trains from rank 0's parameters and buffers."""
+    script = tmp_path / "rank_buffers.py"
+    script.write_text(RANK_BUFFER_SCRIPT)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), str(tmp_path)]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    states = [torch.load(tmp_path / f"state{rank}.pt", weights_only=True) for rank in (0, 1)]
+    assert_identical(*states)
+    assert torch.equal(states[0]["scale"], torch.full((3,), 1.0))  # rank 0's buffer

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
 
@@ -114,7 +115,10 @@ class SelfSyncingStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         """DDPStrategy.setup calls this after moving the model to its device and before building the
-        optimizers: here the model stays as it is, since the optimizer does the communication."""
+        optimizers: here the model stays as it is, since the optimizer does the communication. What
+        DDP's construction would do is kept: every rank starts from rank 0's parameters and buffers."""
+        if self.world_size > 1:
+            _sync_module_states(self.model)
 
     def setup_optimizers(self, trainer: "pl.Trainer") -> None:
         """Lightning's optimizers from configure_optimizers, each checked to be self-syncing over this world."""
