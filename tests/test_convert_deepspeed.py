@@ -108,6 +108,12 @@ def test_local_step_clipper_is_renamed_and_warmup_lr_maps(tmp_path):
     assert recipe["schedule"] == {"name": "exponential", "warmup_steps": 100, "decay_factor": 1.0}
 
 
+def test_flat_one_cycle_maps_to_constant(tmp_path):
+    params = {"cycle_min_lr": 2e-4, "cycle_max_lr": 2e-4, "cycle_momentum": False, "cycle_first_step_size": 1000}
+    recipe = yaml.safe_load(convert(write(tmp_path, with_changes(scheduler={"type": "OneCycle", "params": params}))))
+    assert recipe["schedule"] == {"name": "constant"} and recipe["optimizer"]["lr"] == 2e-4
+
+
 REFUSED = {
     "zero stage 2": (dict(zero_optimization={"stage": 2}), "zero_optimization.stage 2"),
     "offload": (dict(zero_optimization={"stage": 0, "offload_optimizer": {"device": "cpu"}}), "zero_optimization.offload_optimizer"),
@@ -120,6 +126,7 @@ REFUSED = {
     "static loss scale": (dict(fp16={"enabled": True, "loss_scale": 128}), "fp16.loss_scale"),
     "WarmupDecayLR": (dict(scheduler={"type": "WarmupDecayLR", "params": {"total_num_steps": 10}}), "WarmupDecayLR"),
     "OneCycle": (dict(scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 1e-3}}), "OneCycle"),
+    "OneCycle momentum": (dict(scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 4e-4, "cycle_max_lr": 4e-4}}), "cycle_momentum"),
     "log warm-up": (dict(scheduler={"type": "WarmupLR", "params": {"warmup_num_steps": 10}}), "warmup_type"),
     "unknown optimizer": (dict(optimizer={"type": "OneBitLamb", "params": {}}), "OneBitLamb"),
     "amsgrad": (dict(optimizer={"type": "ZeroOneAdam", "params": {"amsgrad": True}}), "amsgrad"),

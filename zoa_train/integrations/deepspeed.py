@@ -247,13 +247,26 @@ def _schedule(ds: dict, path: Path, r: _Recipe) -> None:
             f"{path}: scheduler.type WarmupDecayLR cannot map: it decays linearly to 0, and zoa-train's schedules are constant, exponential and cosine."
         )
     elif kind == "OneCycle":
-        raise UserError(
-            f"{path}: scheduler.type OneCycle cannot map: it cycles lr and momentum and then decays as 1/(1 + rate t), none of zoa-train's schedules."
-        )
+        _one_cycle(params, path, r)
     else:
         raise UserError(
             f"{path}: scheduler.type {kind!r} cannot map: zoa-train's schedules are constant, exponential and cosine (from WarmupLR and WarmupCosineLR)."
         )
+
+
+def _one_cycle(params: dict, path: Path, r: _Recipe) -> None:
+    """OneCycle maps only where it does not cycle: a flat lr (cycle_min_lr = cycle_max_lr, no decay) and
+    no momentum cycle (cycle_momentum false), which is the constant schedule; any other is refused."""
+    low, high = params.get("cycle_min_lr"), params.get("cycle_max_lr")
+    if low is None or low != high or params.get("decay_lr_rate", 0.0):
+        raise UserError(
+            f"{path}: scheduler.type OneCycle cannot map unless cycle_min_lr equals cycle_max_lr and decay_lr_rate is 0: "
+            "it cycles the lr and then decays it as 1/(1 + rate t), none of zoa-train's schedules."
+        )
+    if params.get("cycle_momentum", True):
+        raise UserError(f"{path}: scheduler.params.cycle_momentum (OneCycle's default, true) cannot map: zoa-train keeps beta1 fixed; set it false.")
+    r.set("optimizer", "lr", high, "scheduler.params.cycle_max_lr (DeepSpeed's scheduler sets the lr)")
+    r.set("schedule", "name", "constant", "DeepSpeed's OneCycle with cycle_min_lr = cycle_max_lr, no decay and no momentum cycle: a constant lr")
 
 
 def _train(ds: dict, path: Path, r: _Recipe) -> None:
