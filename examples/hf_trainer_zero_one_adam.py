@@ -12,6 +12,7 @@ import argparse
 import hashlib
 
 import torch
+import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments, set_seed
 
 from zoa_train.data.sources import bundled_paragraphs
@@ -91,6 +92,9 @@ def main(argv: list[str] | None = None) -> None:
     trainer.save_model()  # the ranks' common model (ZoaTrainer synchronised them at the last step)
     trainer.save_state()  # trainer_state.json: log_history with bits_per_param at every log step
     print(f"rank {training.process_index}: parameter digest {parameter_digest(model)}", flush=True)
+    if dist.is_initialized():  # Trainer leaves the group up; Gloo threads alive at interpreter exit can abort it
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader, TensorDataset
@@ -113,6 +114,9 @@ def main() -> None:
     torch.save({n: p.detach().clone() for n, p in module.named_parameters()}, args.out / f"rank{trainer.global_rank}.pt")
     if trainer.is_global_zero:
         print({k: round(float(v), 4) for k, v in trainer.callback_metrics.items()})
+    if dist.is_initialized():  # Lightning leaves the group up; Gloo threads alive at interpreter exit can abort it
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
