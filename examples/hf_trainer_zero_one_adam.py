@@ -54,8 +54,8 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0))
     # Short warm-ups so that a run of a few dozen steps reaches 0/1 Adam's local steps (1-bit Adam's 1-bit phase).
     knobs = {
-        "zero_one_adam": {"var_freeze_step": 4, "local_steps": "fixed", "local_step_interval": 4},
-        "onebit_adam": {"freeze_step": 4},
+        "zero_one_adam": {"var_freeze_step": 4, "local_steps": "fixed", "local_step_interval": 4, "bias_correction": True},
+        "onebit_adam": {"freeze_step": 4, "bias_correction": True},
     }.get(args.optimizer, {})
     training = TrainingArguments(
         output_dir=args.output_dir,
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     trainer.train(resume_from_checkpoint=args.resume)
     trainer.save_model()  # the ranks' common model (ZoaTrainer synchronised them at the last step)
     trainer.save_state()  # trainer_state.json: log_history with bits_per_param at every log step
-    print(f"rank {training.process_index}: parameter digest {parameter_digest(model)}", flush=True)
+    print(f"rank {training.process_index}: parameter digest {parameter_digest(model)} on {model.device.type}", flush=True)
     if dist.is_initialized():  # Trainer leaves the group up; Gloo threads alive at interpreter exit can abort it
         dist.barrier()
         dist.destroy_process_group()

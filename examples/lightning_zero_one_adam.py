@@ -1,5 +1,5 @@
 """0/1 Adam (or 1-bit Adam) in PyTorch Lightning with zoa-train's SelfSyncingStrategy: a tiny GPT-2
-(random init) learning the bytes of zoa-train's bundled corpus, on CPU, offline.
+(random init) learning the bytes of zoa-train's bundled corpus, offline (on CPU; `--accelerator gpu`: a GPU per process).
 
     python examples/lightning_zero_one_adam.py --devices 2          # Lightning starts the 2 processes
     torchrun --nproc-per-node 2 examples/lightning_zero_one_adam.py  # or torchrun does
@@ -28,8 +28,8 @@ CORPUS = Path(__file__).resolve().parents[1] / "zoa_train" / "data" / "corpus" /
 
 # Small warm-ups so that a run of a few dozen steps reaches the 1-bit phase (and 0/1 Adam's local steps).
 OPTIMIZERS = {
-    "zero_one_adam": lambda params, lr: ZeroOneAdam(params, lr=lr, var_freeze_step=4, local_steps="fixed", local_step_interval=4),
-    "onebit_adam": lambda params, lr: OneBitAdam(params, lr=lr, freeze_step=4),
+    "zero_one_adam": lambda params, lr: ZeroOneAdam(params, lr=lr, var_freeze_step=4, local_steps="fixed", local_step_interval=4, bias_correction=True),
+    "onebit_adam": lambda params, lr: OneBitAdam(params, lr=lr, freeze_step=4, bias_correction=True),
 }
 
 
@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--clip", type=float, default=None, help="gradient_clip_val (each rank's own gradient norm)")
     parser.add_argument("--precision", default="32-true", help="32-true or bf16-mixed")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--accelerator", choices=["cpu", "gpu"], default="cpu", help="gpu: one GPU per process (NCCL)")
     parser.add_argument("--resume", help="a checkpoint this script wrote")
     args = parser.parse_args()
 
@@ -95,7 +96,7 @@ def main() -> None:
     val = DataLoader(TensorDataset(blocks[args.samples :]), batch_size=args.batch_size)
     trainer = pl.Trainer(
         strategy=SelfSyncingStrategy(),
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
         max_epochs=args.epochs,
         precision=args.precision,

@@ -26,7 +26,12 @@
    average, and ZeroOneAdam through it keeps the parameters bit-identical across ranks after every sync;
    with 2 or more GPUs, the same sync over NCCL, a rank per GPU (2 GPUs: one node of 2, where it is the
    exact average; 4 or more: 2 nodes), every rank holding the same average;
-6. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
+6. the integrations (zoa_train.integrations) on the device, one rank under torchrun (NCCL on CUDA): the HF
+   Trainer example (ZoaTrainer: no DDP, accelerate's placement and, on CUDA, bf16 autocast), the accelerate
+   example and the Lightning example (SelfSyncingStrategy), each through 0/1 Adam's warm-up into its
+   local steps: the run completes, its loss falls and stays finite, and the model it trained sits on the
+   device; SKIP where transformers, accelerate or lightning is not installed;
+7. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
 What one GPU cannot validate: NCCL between ranks and the 1-bit collectives over NCCL (two GPUs), and
 communication speed (Gloo through host memory on one machine says nothing of NCCL over NVLink or a
 network; the two ranks also share the GPU's time). Prints one line per check; exit 1 on a failure.
@@ -455,6 +460,70 @@ def check_node_aware(device: torch.device) -> None:
     report(nccl, same, f"{gpus // per_node} node(s) x {per_node} GPUs")
 
 
+# --- the integrations, one rank under torchrun ------------------------------------------------
+
+INTEGRATIONS = {  # example: (packages it needs, its arguments on CUDA, on the CPU)
+    "hf_trainer_zero_one_adam": (("transformers", "accelerate"), ["--steps", "16", "--save-steps", "16", "--bf16"], ["--steps", "16", "--save-steps", "16"]),
+    "accelerate_zero_one_adam": (("transformers", "accelerate"), ["--steps", "16", "--mixed-precision", "bf16"], ["--steps", "16"]),
+    "lightning_zero_one_adam": (
+        ("transformers", "lightning"),
+        ["--devices", "1", "--epochs", "2", "--samples", "64", "--accelerator", "gpu", "--precision", "bf16-mixed"],
+        ["--devices", "1", "--epochs", "2", "--samples", "64"],
+    ),
+}
+
+
+def integration_run(example: str, device: torch.device, tmp: str) -> tuple[subprocess.CompletedProcess, list[float], str]:
+    """One example on one rank under torchrun: (the process, its logged losses, its model's device type)."""
+    import csv
+    import os
+    import re
+
+    _, cuda_args, cpu_args = INTEGRATIONS[example]
+    out = f"{tmp}/{example}"
+    where = ["--out", out] if example.startswith("lightning") else ["--output-dir", out] if example.startswith("hf") else []
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    if device.type != "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path, even on a machine with a GPU
+    args = [*(cuda_args if device.type == "cuda" else cpu_args), *where]
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", f"examples/{example}.py", *args]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        return done, [], "?"
+    if example.startswith("lightning"):  # CSVLogger's step rows; the parameters as the example saved them
+        with open(f"{out}/metrics.csv") as f:
+            losses = [float(row["loss"]) for row in csv.DictReader(f) if row.get("loss")]
+        model_device = next(iter(torch.load(f"{out}/rank0.pt", weights_only=True).values())).device.type
+    else:  # Trainer's step logs or the accelerate loop's lines; the device the example names at the end
+        pattern = r"'loss': '([^']+)'" if example.startswith("hf") else r"^step \d+ loss (\S+)"
+        losses = [float(v) for v in re.findall(pattern, done.stdout, re.M)]
+        model_device = (re.findall(r"parameter digest \w+ on (\w+)", done.stdout) or ["?"])[0]
+    return done, losses, model_device
+
+
+def check_integrations(device: torch.device) -> None:
+    """Each example in examples/ on one rank under torchrun: it completes, its logged losses fall and
+    stay finite, and the model it trained sits on `device`."""
+    import importlib.util
+    import math
+
+    for example, (needs, _, _) in INTEGRATIONS.items():
+        name = f"examples/{example}.py on {device.type}, one rank under torchrun"
+        missing = [package for package in needs if importlib.util.find_spec(package) is None]
+        if missing:
+            print(f"SKIP  {name}  {', '.join(missing)} not installed", flush=True)
+            continue
+        start = time.perf_counter()
+        with tempfile.TemporaryDirectory() as tmp:
+            done, losses, model_device = integration_run(example, device, tmp)
+        if done.returncode != 0:
+            report(name, False, (done.stderr.strip().splitlines() or ["no output"])[-1][:300])
+            continue
+        falls = len(losses) >= 2 and all(map(math.isfinite, losses)) and losses[-1] < losses[0]
+        detail = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}, " if losses else "no loss logged, "
+        report(name, falls and model_device == device.type, f"{detail}model on {model_device}, {time.perf_counter() - start:.1f} s")
+
+
 def check_step_cost(device: torch.device) -> None:
     """`zoa-train bench optim` on the GPU: 0/1 Adam's local step against AdamW(fused) (target 1.1x).
     Run on CUDA only: on a CPU it is `bench optim`'s own figure, and a timing is no test."""
@@ -485,6 +554,7 @@ def main() -> None:
     check_runs(device, args.quick)
     check_ranks(device, args.quick)
     check_node_aware(device)
+    check_integrations(device)
     if device.type == "cuda":
         check_step_cost(device)
     print(f"{len(FAILED)} failed" if FAILED else "all passed")

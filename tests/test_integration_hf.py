@@ -2,6 +2,7 @@
 and the accelerate pattern, each running its example (examples/) on 2 Gloo ranks under real torchrun."""
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -46,6 +47,14 @@ def training_logs(output_dir: Path) -> list[dict]:
     return [record for record in history if "loss" in record]
 
 
+def assert_learns(losses: list[float]) -> None:
+    """The training losses fall and never climb: each at most 10% above the lowest before it, the last
+    at least 0.5 below the first (the examples' short warm-ups diverged without bias correction)."""
+    assert len(losses) >= 2 and all(math.isfinite(x) for x in losses), losses
+    assert all(x <= 1.1 * min(losses[: i + 1]) for i, x in enumerate(losses)), losses
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
 @pytest.fixture(scope="module")
 def zero_one_run(tmp_path_factory) -> tuple[Path, str]:
     """0/1 Adam, 24 steps: variance updates to step 4, then a 1-bit sync every 4 steps; evaluations at 10,
@@ -60,6 +69,7 @@ def test_zoa_trainer_zero_one_adam_ends_on_one_model_below_one_bit(zero_one_run)
     assert first == second  # synchronised at the end although the last steps were local ones
     logs = training_logs(out)
     assert [r["step"] for r in logs] == [4, 8, 12, 16, 20, 24]
+    assert_learns([r["loss"] for r in logs])
     assert logs[0]["bits_per_param"] == pytest.approx(32.0)  # the warm-up: full-precision variance steps
     assert 0 < logs[-1]["window_bits_per_param"] < 1  # past it: one 1-bit round every 4 steps
     assert logs[-1]["bits_per_param"] < logs[1]["bits_per_param"] < 32
@@ -92,6 +102,7 @@ def test_zoa_trainer_onebit_adam_of_its_own_with_bf16_and_accumulation(tmp_path)
     assert logs[-1]["bits_per_param"] < 16  # 4 full-precision warm-up steps, then 1-bit rounds
     assert logs[-1]["window_bits_per_param"] == pytest.approx(1.0)
     assert logs[-1]["rounds"] == 12  # 1-bit Adam communicates at every step
+    assert_learns([r["loss"] for r in logs])
 
 
 def test_accelerate_example_without_ddp(tmp_path):
@@ -100,6 +111,7 @@ def test_accelerate_example_without_ddp(tmp_path):
     assert first == second
     windows = [float(w) for w in re.findall(r"window_bits_per_param ([0-9.]+)", stdout)]
     assert len(windows) == 6 and windows[0] == pytest.approx(32.0) and 0 < windows[-1] < 1
+    assert_learns([float(x) for x in re.findall(r"^step \d+ loss (\S+)", stdout, re.M)])
 
 
 ACCELERATE_CHECKPOINT = """
