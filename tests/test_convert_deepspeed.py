@@ -17,7 +17,7 @@ from zoa_train.cli import parameter_shapes
 from zoa_train.config import load_recipe
 from zoa_train.errors import UserError
 from zoa_train.integrations.deepspeed import convert, write_recipe
-from zoa_train.optim import OneBitAdam, ZeroOneAdam, registry
+from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam, registry
 from zoa_train.optim.plan import plan
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -234,3 +234,8 @@ def test_from_deepspeed_builds_the_direct_constructors_optimizer():
 def test_from_deepspeed_refuses_what_cannot_map(params, named):
     with pytest.raises(UserError, match=named):
         ZeroOneAdam.from_deepspeed(model().parameters(), **params)
+
+
+def test_from_deepspeed_only_where_deepspeed_has_the_algorithm():
+    with pytest.raises(TypeError, match="no DeepSpeed counterpart"):
+        DataParallelAdam.from_deepspeed(model().parameters(), lr=1e-3)

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from zoa_train.comm import Collective, CollectiveFactory, CommLedger, allreduce, group_size_rank, onebit_layout
 from zoa_train.comm.onebit import OneBitLayout
 from zoa_train.errors import UserError
+from zoa_train.optim.deepspeed_names import translate
 from zoa_train.step_kinds import FULL, LOCAL, ONEBIT
 
 SPARSE = (
@@ -118,6 +119,20 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     """
 
     _local_buffers: frozenset[str] = frozenset()  # flat buffers that are each rank's own even when parameters agree (DiLoCo's inner moments)
+    deepspeed_type: str | None = None  # DeepSpeed's optimizer of the same algorithm (zoa_train.optim.deepspeed_names), if any
+
+    @classmethod
+    def from_deepspeed(cls, params, process_group=None, **ds_params):
+        """This optimizer from the parameter names of DeepSpeed's optimizer of the same algorithm (a
+        DeepSpeed config's optimizer.params: ZeroOneAdam's for ZeroOneAdam, OnebitAdam's for OneBitAdam),
+        so that a script that built DeepSpeed's optimizer changes one line. The names are mapped by
+        zoa_train.optim.deepspeed_names (docs/from-deepspeed.md); cuda_aware, comm_backend_name,
+        eps_inside_sqrt and bias_correction are accepted with no effect, as DeepSpeed ignores them too
+        (it never corrects bias there); any other name DeepSpeed's class does not take is a UserError."""
+        if cls.deepspeed_type is None:
+            raise TypeError(f"{cls.__name__} has no DeepSpeed counterpart to take parameter names from")
+        kwargs, _ = translate(cls.deepspeed_type, ds_params, f"{cls.__name__}.from_deepspeed")
+        return cls(params, process_group=process_group, **kwargs)
 
     def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None, collective: CollectiveFactory | None = None):
         self._constructed = False

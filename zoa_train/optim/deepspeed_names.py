@@ -1,5 +1,5 @@
 """DeepSpeed's optimizer parameter names mapped onto zoa-train's: the one table that
-ZeroOneAdam.from_deepspeed, OneBitAdam.from_deepspeed and `zoa-train convert-deepspeed` read.
+DataParallelOptimizer.from_deepspeed (ZeroOneAdam, OneBitAdam) and `zoa-train convert-deepspeed` read.
 
 Facts from DeepSpeed's own classes (deepspeed/runtime/fp16/onebit/adam.py, zoadam.py, ops/adam):
 OnebitAdam and ZeroOneAdam store bias_correction, eps_inside_sqrt and max_grad_norm and never use

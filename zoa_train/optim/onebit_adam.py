@@ -12,7 +12,6 @@ import torch
 
 from zoa_train.comm import CollectiveFactory, OneBitAllReduce
 from zoa_train.optim.base import DataParallelOptimizer
-from zoa_train.optim.deepspeed_names import translate
 
 
 class OneBitAdam(DataParallelOptimizer):
@@ -32,6 +31,8 @@ class OneBitAdam(DataParallelOptimizer):
     State (`state_dict()`): per group flat fp32 m and v (then the denominator) in the collective's
     layout, the ledger, and this rank's 1-bit error buffers: about 3 + 1/n fp32 copies of the model.
     """
+
+    deepspeed_type = "onebitadam"  # from_deepspeed takes DeepSpeed's OnebitAdam parameter names
 
     def __init__(
         self,
@@ -56,16 +57,6 @@ class OneBitAdam(DataParallelOptimizer):
             # Holds v during warm-up and, once frozen, its final denominator sqrt(v/bc2)+eps.
             buffers["exp_avg_sq"] = flat.keep(flat.zeros())
             scalars.update(variance_updates=0, frozen=0)
-
-    @classmethod
-    def from_deepspeed(cls, params, process_group=None, **ds_params) -> "OneBitAdam":
-        """OneBitAdam from DeepSpeed's OnebitAdam parameter names (a DeepSpeed config's optimizer.params),
-        so that a script that built DeepSpeed's optimizer changes one line. The names are mapped by
-        zoa_train.optim.deepspeed_names (docs/from-deepspeed.md); cuda_aware, comm_backend_name,
-        eps_inside_sqrt and bias_correction are accepted with no effect, as DeepSpeed ignores them too
-        (it never corrects bias here); any other name DeepSpeed's class does not take is a UserError."""
-        kwargs, _ = translate("onebitadam", ds_params, "OneBitAdam.from_deepspeed")
-        return cls(params, process_group=process_group, **kwargs)
 
     @property
     def variance_updates(self) -> int:

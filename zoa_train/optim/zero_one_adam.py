@@ -44,7 +44,6 @@ import torch
 
 from zoa_train.comm import CollectiveFactory, OneBitAllReduce
 from zoa_train.optim.base import DataParallelOptimizer
-from zoa_train.optim.deepspeed_names import translate
 from zoa_train.optim.schedules import ZeroOneSchedule
 from zoa_train.step_kinds import VARIANCE
 
@@ -80,6 +79,8 @@ class ZeroOneAdam(DataParallelOptimizer):
     evaluating or saving); `average_at_sync(tensors)` averages buffers such as BatchNorm statistics
     at every sync.
     """
+
+    deepspeed_type = "zerooneadam"  # from_deepspeed takes DeepSpeed's ZeroOneAdam parameter names
 
     def __init__(
         self,
@@ -119,16 +120,6 @@ class ZeroOneAdam(DataParallelOptimizer):
             buffers["anchor"] = flat.keep(flat.flatten([p.detach() for p in flat.params]))
             scalars.update(lr_sum=0.0, decay=1.0, frozen=0)
         self._root_numels: dict[int, torch.Tensor] = {}  # per group: sqrt(numel) of each tensor, for _clipped
-
-    @classmethod
-    def from_deepspeed(cls, params, process_group=None, **ds_params) -> "ZeroOneAdam":
-        """ZeroOneAdam from DeepSpeed's ZeroOneAdam parameter names (a DeepSpeed config's optimizer.params),
-        so that a script that built DeepSpeed's optimizer changes one line. The names are mapped by
-        zoa_train.optim.deepspeed_names (docs/from-deepspeed.md); cuda_aware, comm_backend_name,
-        eps_inside_sqrt and bias_correction are accepted with no effect, as DeepSpeed ignores them too
-        (it never corrects bias here); any other name DeepSpeed's class does not take is a UserError."""
-        kwargs, _ = translate("zerooneadam", ds_params, "ZeroOneAdam.from_deepspeed")
-        return cls(params, process_group=process_group, **kwargs)
 
     def synchronize(self) -> None:
         """Sync now if local steps are pending (e.g. before an evaluation), so all ranks agree; the
