@@ -21,6 +21,9 @@ from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
 from zoa_train.errors import UserError  # noqa: E402
 from zoa_train.integrations.lightning import RANK_STATES, SelfSyncingStrategy  # noqa: E402
 
+# CI installs Slurm for its own tests; Lightning then suggests srun for these in-process Trainers.
+pytestmark = pytest.mark.filterwarnings("ignore:The `srun` command is available on your system")
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "lightning_zero_one_adam.py"
 WARM_UP = 8  # the example's 0/1 Adam: variance updates at steps 0-3, a 1-bit sync every 4 steps from then; one epoch is 8 steps
