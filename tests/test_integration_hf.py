@@ -144,6 +144,7 @@ load_rank_state(zoa, DIRECTORY)
 result = {"rank": accelerator.process_index, "accelerate": torch.equal(by_accelerate, saved), "restored": torch.equal(own_state(zoa), saved)}
 with open(f"{DIRECTORY}.rank{accelerator.process_index}.json", "w") as f:  # a file each: the ranks' stdout lines can interleave
     json.dump(result, f)
+accelerator.end_training()  # destroys the process group: Gloo threads alive at interpreter exit can abort a rank
 """
 
 
