@@ -157,6 +157,58 @@ def test_accelerate_checkpoints_keep_each_ranks_own_state(tmp_path):
     assert results == [{"rank": 0, "accelerate": True, "restored": True}, {"rank": 1, "accelerate": False, "restored": True}]
 
 
+RANK_DEPENDENT_START = """
+import json, torch
+from torch.utils.data import DataLoader
+from accelerate import Accelerator
+from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+from zoa_train.integrations.transformers import ZoaTrainer, build_optimizer, prepare_accelerate
+
+def rank_dependent_model(rank):  # a different initialisation and a buffer of its own on every rank
+    torch.manual_seed(rank)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=16, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0))
+    model.register_buffer("offset", torch.full((2, 3), float(rank)).t())  # non-contiguous
+    return model
+
+def digest(model):
+    return float(sum(p.double().sum() for p in model.parameters()))
+
+blocks = torch.randint(0, 256, (32, 16), generator=torch.Generator().manual_seed(0))
+args = TrainingArguments(output_dir=OUT, max_steps=2, per_device_train_batch_size=4, use_cpu=True, report_to="none",
+                         save_strategy="no", disable_tqdm=True, logging_steps=1)
+rank = args.process_index
+model = rank_dependent_model(rank)
+trainer = ZoaTrainer(model=model, args=args, train_dataset=[{"input_ids": b, "labels": b} for b in blocks], zoa_optimizer="onebit_adam")
+trainer.train()
+result = {"trainer": [model.offset.tolist(), digest(model)]}
+
+accelerator = Accelerator(cpu=True)
+model = rank_dependent_model(rank)
+zoa = build_optimizer(model, "onebit_adam").optimizer
+model, optimizer, loader = prepare_accelerate(accelerator, model, zoa, DataLoader(blocks, batch_size=4))
+for ids in loader:
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+result["accelerate"] = [model.offset.tolist(), digest(model)]
+with open(f"{OUT}.rank{rank}.json", "w") as f:  # a file each: the ranks' stdout lines can interleave
+    json.dump(result, f)
+accelerator.end_training()
+"""
+
+
+def test_every_rank_starts_from_rank_0s_parameters_and_buffers(tmp_path):
+    # As DDP's construction gives: ZoaTrainer and prepare_accelerate over models each rank initialised its own way.
+    script = tmp_path / "start.py"
+    script.write_text(f"OUT = {str(tmp_path / 'out')!r}\n" + RANK_DEPENDENT_START)
+    torchrun(script)
+    ranks = [json.loads((tmp_path / f"out.rank{rank}.json").read_text()) for rank in (0, 1)]
+    for route in ("trainer", "accelerate"):
+        (offset0, params0), (offset1, params1) = ranks[0][route], ranks[1][route]
+        assert offset0 == offset1 == [[0.0, 0.0]] * 3, route
+        assert params0 == params1, route
+
+
 # ---- refusals, in this process (one rank) ---------------------------------------------------------
 
 

@@ -106,12 +106,26 @@ def load_rank_state(optimizer: DataParallelOptimizer, directory: str | os.PathLi
         raise UserError(f"cannot resume from {directory}: {e}.") from None
 
 
+def broadcast_buffers(model: torch.nn.Module) -> None:
+    """Give every rank rank 0's buffers (e.g. BatchNorm statistics, or any a model initialises per rank),
+    as DDP's construction does; the optimizer already started every rank from rank 0's parameters.
+    Setup, not training: not in the ledger."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    with torch.no_grad():
+        for buffer in model.buffers():
+            staged = buffer.contiguous()  # broadcast needs contiguous memory
+            dist.broadcast(staged, src=0)
+            if staged is not buffer:
+                buffer.copy_(staged)
+
+
 def prepare_accelerate(accelerator, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *objects):
     """accelerate's `prepare` for a self-syncing optimizer: the model only placed and given the
     accelerator's autocast (`prepare_model(evaluation_mode=True)`: no DDP), the optimizer and the
     rest (data loaders, scheduler) prepared as usual. Returns (model, optimizer, *objects). Refuses
     fp16 (its loss scaler skips an overflowing step on one rank alone) and DeepSpeed, FSDP and
-    Megatron-LM, which wrap or shard the model."""
+    Megatron-LM, which wrap or shard the model. Every rank gets rank 0's buffers, as DDP would give."""
     from accelerate.utils import DistributedType
 
     if accelerator.mixed_precision == "fp16":
@@ -119,6 +133,7 @@ def prepare_accelerate(accelerator, model: torch.nn.Module, optimizer: torch.opt
     if accelerator.distributed_type in (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM):
         raise UserError(f"zoa-train's optimizers are data-parallel only, not for {accelerator.distributed_type.value}, which shards or wraps the model.")
     model = accelerator.prepare_model(model, evaluation_mode=True)
+    broadcast_buffers(model)
     prepared = accelerator.prepare(optimizer, *objects)
     return (model, *(prepared if objects else (prepared,)))
 
@@ -204,8 +219,10 @@ class ZoaTrainer(Trainer):
         """accelerate's documented `prepare_model(evaluation_mode=True)` places the model and applies
         mixed-precision autocast without DDP, and marks it prepared; Trainer's `accelerator.prepare(model,
         optimizer)`, which comes right after `create_optimizer` (transformers 5.x), then leaves it as it
-        is instead of wrapping it in DDP."""
+        is instead of wrapping it in DDP. Every rank gets rank 0's buffers, as DDP's construction gives
+        (a resumed run then loads the checkpoint's on every rank)."""
         self.accelerator.prepare_model(self.model, evaluation_mode=True)
+        broadcast_buffers(self.model)
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args, **kwargs):
         """Trainer's `train`; a resumed run also restores every rank's own optimizer state."""
