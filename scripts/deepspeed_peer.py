@@ -8,6 +8,7 @@ Not part of the test suite. Run from the repository root, one step at a time or 
   .venv/bin/python scripts/deepspeed_peer.py train --data WORK/data --optimizer zero_one_adam --out WORK/ds_zero_one_adam
   .venv/bin/python scripts/deepspeed_peer.py table --work WORK                 # DeepSpeed beside zoa-train's runs
   .venv/bin/python scripts/deepspeed_peer.py all --work WORK                   # all of the above, zoa-train's runs too
+  .venv/bin/python scripts/deepspeed_peer.py sweep --work WORK                 # DeepSpeed's lr sweep and the diagnostics
 
 `train` starts `torchrun --nproc-per-node 2` in the side venv on this file's `worker` command (2 Gloo
 ranks). On the CPU only DeepSpeed's `compressed` comm backend runs; two run-time adaptations make it
@@ -55,6 +56,7 @@ def dump(out: Path) -> None:
     schedule = recipe.lr_schedule()
     meta = {"steps": t.steps, "world": t.nproc, "grad_clip": t.grad_clip, "val_every": t.val_every, "lrs": [schedule(s) for s in range(t.steps)]}
     meta["optimizer"] = recipe.to_dict()["optimizer"]
+    meta["bias_factors"] = bias_factors(meta["optimizer"], meta["lrs"])
     for rank in range(t.nproc):
         task = build_task(recipe, rank, t.nproc)
         if rank == 0:
@@ -68,6 +70,24 @@ def dump(out: Path) -> None:
         torch.save({"train": train, "val": val}, out / f"rank{rank}.pt")
         task.close()
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+def bias_factors(o: dict, lrs: list[float]) -> dict[str, list[float]]:
+    """Per step, what turns an uncorrected step (DeepSpeed's 1-bit optimizers) into zoa-train's
+    bias-corrected one: sqrt(1 - b2^k) / (1 - b1^(t+1)), k the variance updates so far (every warm-up
+    step for 1-bit Adam, until freeze_step; ZeroOneSchedule's sparse ones for 0/1 Adam, until
+    var_freeze_step). The `--bias-corrected-lr` diagnostic multiplies DeepSpeed's lr by it."""
+    from zoa_train.optim.schedules import ZeroOneSchedule
+
+    b1, b2 = o["betas"]
+    knobs = ("var_freeze_step", "var_update_scaler", "local_steps", "local_step_clip", "local_step_scaler", "local_step_interval")
+    schedule = ZeroOneSchedule(**{k: o[k] for k in knobs})
+    zero_one = []
+    for t, lr in enumerate(lrs):
+        schedule.advance(lr)
+        zero_one.append((1 - b2**schedule.variance_updates) ** 0.5 / (1 - b1 ** (t + 1)))
+    onebit = [(1 - b2 ** min(t + 1, o["freeze_step"])) ** 0.5 / (1 - b1 ** (t + 1)) for t in range(len(lrs))]
+    return {"zero_one_adam": zero_one, "onebit_adam": onebit}
 
 
 def ds_config(name: str, meta: dict, comm_dtype: str = "bf16") -> dict:
@@ -138,6 +158,8 @@ def adapt_deepspeed_for_cpu(counter: dict) -> None:
     compressed_allreduce = compressed.CompressedBackend.compressed_allreduce
 
     def counted(self, buffer_m, worker_error, *args):
+        if counter.get("averaged"):  # the full-precision diagnostic: the gradient is already the average
+            return buffer_m
         counter["bits"] += worker_error.numel()  # zoa-train's ledger: 1 bit per (padded) element per 1-bit round
         counter["called"] = True
         return compressed_allreduce(self, buffer_m, worker_error, *args)
@@ -145,8 +167,11 @@ def adapt_deepspeed_for_cpu(counter: dict) -> None:
     compressed.CompressedBackend.compressed_allreduce = counted
 
 
-def worker(data: Path, name: str, out: Path, steps: int | None = None, comm_dtype: str = "bf16") -> None:
-    """One rank under torchrun, in the side venv."""
+def worker(data: Path, name: str, out: Path, steps: int | None = None, comm_dtype: str = "bf16", variant: dict | None = None) -> None:
+    """One rank under torchrun, in the side venv. `variant`: lr_scale (every lr times it), bias_corrected_lr
+    (each step's lr times bias_factors', so that DeepSpeed's uncorrected steps equal zoa-train's
+    bias-corrected ones) and full_precision_before_freeze (ZeroOneAdam's steps between variance updates
+    before var_freeze_step averaged in full precision instead of 1-bit compressed), for the diagnostics."""
     import deepspeed
     import torch
     import torch.distributed as dist
@@ -157,6 +182,7 @@ def worker(data: Path, name: str, out: Path, steps: int | None = None, comm_dtyp
     torch.set_num_threads(1)
     meta = json.loads((data / "meta.json").read_text())
     meta["steps"] = steps or meta["steps"]  # fewer: a smoke test
+    variant = variant or {}
     mine = torch.load(data / f"rank{rank}.pt")
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config.from_json_file(str(data / "config.json")))
     model.load_state_dict(torch.load(data / "model.pt"))
@@ -186,17 +212,25 @@ def worker(data: Path, name: str, out: Path, steps: int | None = None, comm_dtyp
             for p in params:
                 p.grad = torch.zeros_like(p)
         else:
+            lr = meta["lrs"][step] * variant.get("lr_scale", 1.0)
+            if variant.get("bias_corrected_lr"):
+                lr *= meta["bias_factors"][name][step]
             for g in engine.optimizer.param_groups:
-                g["lr"] = meta["lrs"][step]
+                g["lr"] = lr
             x = mine["train"][step].long()
             model(input_ids=x, labels=x).loss.backward()
             if name != "adam":  # per rank, before anything is sent (zoa-train's trainer does the same)
                 torch.nn.utils.clip_grad_norm_(params, meta["grad_clip"])
-        if engine.enable_backward_allreduce:  # the engine's full-precision allreduce (bf16)
+        # The diagnostic: ZeroOneAdam's steps between variance updates before the freeze, which DeepSpeed
+        # 1-bit compresses (the raw gradient), get the engine's full-precision average instead.
+        averaged = step is not None and variant.get("full_precision_before_freeze") and not engine.optimizer.freeze_key
+        if engine.enable_backward_allreduce or averaged:  # the engine's full-precision allreduce (bf16)
+            counter["averaged"] = averaged and not engine.enable_backward_allreduce
             engine.allreduce_gradients()
             counter["bits"] += (16 if comm_dtype == "bf16" else 32) * num_params
             counter["called"] = True
         engine.step()
+        counter["averaged"] = False
         for p in params:
             p.grad = None
 
@@ -231,14 +265,14 @@ def worker(data: Path, name: str, out: Path, steps: int | None = None, comm_dtyp
     dist.destroy_process_group()
 
 
-def train(venv: Path, data: Path, name: str, out: Path, steps: int | None = None, comm_dtype: str = "bf16") -> None:
+def train(venv: Path, data: Path, name: str, out: Path, steps: int | None = None, comm_dtype: str = "bf16", variant: dict | None = None) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     torchrun = [str(venv / "bin" / "torchrun"), "--nproc-per-node", "2", "--master-port", "29517"]
     subprocess.run(
         torchrun
         + [__file__, "worker", "--data", str(data), "--optimizer", name, "--out", str(out)]
         + (["--steps", str(steps)] if steps else [])
-        + ["--comm-dtype", comm_dtype],
+        + ["--comm-dtype", comm_dtype, "--variant", json.dumps(variant or {})],
         check=True,
         env=env,
     )
@@ -268,10 +302,61 @@ def table(work: Path) -> str:
     return "\n".join(lines)
 
 
+LR_SCALES = (1.0, 0.5, 0.25, 0.125)  # the recipe's 3e-3 down to 3.75e-4
+DIAGNOSTICS = {  # run name: (optimizer, variant)
+    "ds_onebit_adam_biascorrected": ("onebit_adam", {"bias_corrected_lr": True}),
+    "ds_zero_one_adam_biascorrected": ("zero_one_adam", {"bias_corrected_lr": True}),
+    "ds_zero_one_adam_biascorrected_fp": ("zero_one_adam", {"bias_corrected_lr": True, "full_precision_before_freeze": True}),
+}
+
+
+def sweep_runs() -> dict[str, tuple[str, dict]]:
+    """The fairness runs of DeepSpeed's 1-bit optimizers: the lr sweep, then the two diagnostics."""
+    runs = {}
+    for name in ("zero_one_adam", "onebit_adam"):
+        for scale in LR_SCALES:
+            runs[f"ds_{name}" if scale == 1.0 else f"ds_{name}_lr{scale:g}"] = (name, {"lr_scale": scale} if scale != 1.0 else {})
+    return runs | DIAGNOSTICS
+
+
+def sweep(venv: Path, work: Path) -> str:
+    """Every run of sweep_runs() not yet in `work` (one at a time, each timed), then their table."""
+    import time
+
+    peak = json.loads((work / "data" / "meta.json").read_text())["optimizer"]["lr"]
+    lines = ["| DeepSpeed 0.19.6 | peak lr | variant | " + " | ".join(f"@{s}" for s in VAL_STEPS) + " | bits/param | rounds | minutes |"]
+    lines.append("|---|---|---|" + "---|" * (len(VAL_STEPS) + 3))
+    for run, (name, variant) in sweep_runs().items():
+        out = work / run
+        if not (out / "metrics.jsonl").exists():
+            start = time.perf_counter()
+            train(venv, work / "data", name, out, variant=variant)
+            (out / "minutes").write_text(f"{(time.perf_counter() - start) / 60:.1f}\n")
+        rows = read_rows(out / "metrics.jsonl")
+        last = rows[max(rows)]
+        minutes = (out / "minutes").read_text().strip() if (out / "minutes").exists() else "-"
+        what = ", ".join(k for k in variant if k != "lr_scale") or "-"
+        losses = " | ".join(f"{rows[s]['val_loss']:.4f}" if s in rows else "-" for s in VAL_STEPS)
+        lr = peak * variant.get("lr_scale", 1.0)
+        lines.append(f"| {OPTIMIZERS[name]} | {lr:.3g} | {what} | {losses} | {last['bits_per_param']:.3f} | {last['rounds']} | {minutes} |")
+    return "\n".join(lines)
+
+
+def variant_of(a: argparse.Namespace) -> dict:
+    variant = {"lr_scale": a.lr_scale} if a.lr_scale != 1.0 else {}
+    if a.bias_corrected_lr:
+        variant["bias_corrected_lr"] = True
+    if a.full_precision_before_freeze:
+        if a.optimizer != "zero_one_adam":
+            sys.exit("--full-precision-before-freeze is a ZeroOneAdam diagnostic: pass --optimizer zero_one_adam.")
+        variant["full_precision_before_freeze"] = True
+    return variant
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in ("setup", "dump", "train", "worker", "table", "all"):
+    for command in ("setup", "dump", "train", "worker", "table", "sweep", "all"):
         p = sub.add_parser(command)
         p.add_argument("--venv", type=Path, default=ROOT / ".deepspeed-venv")
         p.add_argument("--data", type=Path)
@@ -281,17 +366,23 @@ def main() -> None:
         # fp32: a control against zoa-train run with --set optimizer.allreduce_dtype=fp32 under the side venv's torch
         p.add_argument("--comm-dtype", choices=("bf16", "fp32"), default="bf16")
         p.add_argument("--steps", type=int, help="fewer steps than the recipe's (a smoke test)")
+        p.add_argument("--lr-scale", type=float, default=1.0, help="every step's lr times this (the lr sweep)")
+        p.add_argument("--bias-corrected-lr", action="store_true", help="diagnostic: DeepSpeed's steps scaled to zoa-train's bias-corrected ones")
+        p.add_argument("--full-precision-before-freeze", action="store_true", help="diagnostic (ZeroOneAdam): no 1-bit rounds before var_freeze_step")
+        p.add_argument("--variant", type=json.loads, default=None, help=argparse.SUPPRESS)  # train -> worker
     a = parser.parse_args()
     if a.command == "setup":
         setup(a.venv)
     elif a.command == "dump":
         dump(a.out)
     elif a.command == "train":
-        train(a.venv, a.data, a.optimizer, a.out, a.steps, a.comm_dtype)
+        train(a.venv, a.data, a.optimizer, a.out, a.steps, a.comm_dtype, variant_of(a))
     elif a.command == "worker":
-        worker(a.data, a.optimizer, a.out, a.steps, a.comm_dtype)
+        worker(a.data, a.optimizer, a.out, a.steps, a.comm_dtype, a.variant)
     elif a.command == "table":
         print(table(a.work))
+    elif a.command == "sweep":
+        print(sweep(a.venv, a.work))
     else:
         if not (a.venv / "bin" / "torchrun").exists():
             setup(a.venv)
