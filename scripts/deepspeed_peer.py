@@ -26,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 RECIPE = ROOT / "recipes" / "gpt2_tiny.yaml"
-OPTIMIZERS = {"adam": "AdamW", "zero_one_adam": "ZeroOneAdam", "onebit_adam": "OneBitAdam"}
+OPTIMIZERS = {"adam": "AdamW", "zero_one_adam": "ZeroOneAdam", "onebit_adam": "OnebitAdam"}  # DeepSpeed's class names
 VAL_STEPS = (100, 300, 600, 1200)
 # What the side venv gets: DeepSpeed's last release with the 1-bit optimizers, a CPU torch (2.14.1 here
 # would be a CUDA build of several GB), and the versions .venv has of what rebuilds the model.
@@ -302,7 +302,8 @@ def table(work: Path) -> str:
     return "\n".join(lines)
 
 
-LR_SCALES = (1.0, 0.5, 0.25, 0.125)  # the recipe's 3e-3 down to 3.75e-4
+LR_SCALES = (1.0, 0.5, 0.25, 0.125)  # the recipe's 3e-3 down to 3.75e-4; then halved on while the smallest is the best
+SMALLEST_SCALE = 1 / 64
 DIAGNOSTICS = {  # run name: (optimizer, variant)
     "ds_onebit_adam_biascorrected": ("onebit_adam", {"bias_corrected_lr": True}),
     "ds_zero_one_adam_biascorrected": ("zero_one_adam", {"bias_corrected_lr": True}),
@@ -310,31 +311,54 @@ DIAGNOSTICS = {  # run name: (optimizer, variant)
 }
 
 
-def sweep_runs() -> dict[str, tuple[str, dict]]:
-    """The fairness runs of DeepSpeed's 1-bit optimizers: the lr sweep, then the two diagnostics."""
-    runs = {}
-    for name in ("zero_one_adam", "onebit_adam"):
-        for scale in LR_SCALES:
-            runs[f"ds_{name}" if scale == 1.0 else f"ds_{name}_lr{scale:g}"] = (name, {"lr_scale": scale} if scale != 1.0 else {})
-    return runs | DIAGNOSTICS
+def run_name(name: str, scale: float) -> str:
+    return f"ds_{name}" if scale == 1.0 else f"ds_{name}_lr{scale:g}"
+
+
+def final_loss(out: Path) -> float:
+    rows = read_rows(out / "metrics.jsonl")
+    return rows[max(rows)]["val_loss"]
+
+
+def run_once(venv: Path, work: Path, run: str, name: str, variant: dict) -> None:
+    """Train `run` unless it is already in `work` (a sweep resumes), timed."""
+    import time
+
+    out = work / run
+    if (out / "metrics.jsonl").exists():
+        return
+    start = time.perf_counter()
+    train(venv, work / "data", name, out, variant=variant)
+    (out / "minutes").write_text(f"{(time.perf_counter() - start) / 60:.1f}\n")
 
 
 def sweep(venv: Path, work: Path) -> str:
-    """Every run of sweep_runs() not yet in `work` (one at a time, each timed), then their table."""
-    import time
-
+    """DeepSpeed's 1-bit optimizers over the lr sweep (LR_SCALES, then halving on while the smallest lr
+    gives the lowest final validation loss, so that the best is never at the sweep's edge), then the
+    diagnostics; one run at a time, each timed; their table. Dumps zoa-train's work first where `work`
+    has none, or one from before the dump held the bias-correction factors."""
+    meta = work / "data" / "meta.json"
+    if not meta.exists() or "bias_factors" not in json.loads(meta.read_text()):
+        dump(work / "data")
+    runs = {}
+    for name in ("zero_one_adam", "onebit_adam"):
+        scales = list(LR_SCALES)
+        for scale in scales:
+            run_once(venv, work, run_name(name, scale), name, {"lr_scale": scale} if scale != 1.0 else {})
+            runs[run_name(name, scale)] = (name, {"lr_scale": scale} if scale != 1.0 else {})
+            losses = {s: final_loss(work / run_name(name, s)) for s in scales if s >= scale}
+            if scale == scales[-1] and min(losses, key=losses.get) == scale and scale / 2 >= SMALLEST_SCALE:
+                scales.append(scale / 2)
+    for run, (name, variant) in DIAGNOSTICS.items():
+        run_once(venv, work, run, name, variant)
+        runs[run] = (name, variant)
     peak = json.loads((work / "data" / "meta.json").read_text())["optimizer"]["lr"]
     lines = ["| DeepSpeed 0.19.6 | peak lr | variant | " + " | ".join(f"@{s}" for s in VAL_STEPS) + " | bits/param | rounds | minutes |"]
     lines.append("|---|---|---|" + "---|" * (len(VAL_STEPS) + 3))
-    for run, (name, variant) in sweep_runs().items():
-        out = work / run
-        if not (out / "metrics.jsonl").exists():
-            start = time.perf_counter()
-            train(venv, work / "data", name, out, variant=variant)
-            (out / "minutes").write_text(f"{(time.perf_counter() - start) / 60:.1f}\n")
-        rows = read_rows(out / "metrics.jsonl")
+    for run, (name, variant) in runs.items():
+        rows = read_rows(work / run / "metrics.jsonl")
         last = rows[max(rows)]
-        minutes = (out / "minutes").read_text().strip() if (out / "minutes").exists() else "-"
+        minutes = (work / run / "minutes").read_text().strip() if (work / run / "minutes").exists() else "-"
         what = ", ".join(k for k in variant if k != "lr_scale") or "-"
         losses = " | ".join(f"{rows[s]['val_loss']:.4f}" if s in rows else "-" for s in VAL_STEPS)
         lr = peak * variant.get("lr_scale", 1.0)
