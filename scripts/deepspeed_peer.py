@@ -41,16 +41,16 @@ def setup(venv: Path) -> None:
     subprocess.run(pip + ["deepspeed==0.19.6"], check=True, env={**os.environ, "DS_BUILD_OPS": "0"})
 
 
-def dump(out: Path) -> None:
+def dump(out: Path, seed: int | None = None) -> None:
     """What zoa-train's trainer feeds each rank of gpt2_tiny: batches per rank and step, the initial
     weights (torch.manual_seed(seed) right before build_model, as Trainer._build), the lr of every step
-    and the validation batches. Runs in zoa-train's venv."""
+    and the validation batches; `seed` in place of the recipe's train.seed. Runs in zoa-train's venv."""
     import torch
 
     from zoa_train.config import load_recipe
     from zoa_train.tasks import build_task
 
-    recipe = load_recipe(RECIPE)
+    recipe = load_recipe(RECIPE, [f"train.seed={seed}"] if seed is not None else [])
     t = recipe.train
     out.mkdir(parents=True, exist_ok=True)
     schedule = recipe.lr_schedule()
@@ -390,6 +390,7 @@ def main() -> None:
         # fp32: a control against zoa-train run with --set optimizer.allreduce_dtype=fp32 under the side venv's torch
         p.add_argument("--comm-dtype", choices=("bf16", "fp32"), default="bf16")
         p.add_argument("--steps", type=int, help="fewer steps than the recipe's (a smoke test)")
+        p.add_argument("--seed", type=int, help="dump and all: this seed in place of the recipe's train.seed")
         p.add_argument("--lr-scale", type=float, default=1.0, help="every step's lr times this (the lr sweep)")
         p.add_argument("--bias-corrected-lr", action="store_true", help="diagnostic: DeepSpeed's steps scaled to zoa-train's bias-corrected ones")
         p.add_argument("--full-precision-before-freeze", action="store_true", help="diagnostic (ZeroOneAdam): no 1-bit rounds before var_freeze_step")
@@ -398,7 +399,7 @@ def main() -> None:
     if a.command == "setup":
         setup(a.venv)
     elif a.command == "dump":
-        dump(a.out)
+        dump(a.out, a.seed)
     elif a.command == "train":
         train(a.venv, a.data, a.optimizer, a.out, a.steps, a.comm_dtype, variant_of(a))
     elif a.command == "worker":
@@ -410,9 +411,10 @@ def main() -> None:
     else:
         if not (a.venv / "bin" / "torchrun").exists():
             setup(a.venv)
-        dump(a.work / "data")
+        dump(a.work / "data", a.seed)
         for name in OPTIMIZERS:  # one training at a time
             zoa = ["zoa-train", "run", str(RECIPE), "--set", f"optimizer.name={name}", "--set", "logging.wandb=disabled"]
+            zoa += ["--set", f"train.seed={a.seed}"] if a.seed is not None else []
             subprocess.run([str(Path(sys.executable).parent / zoa[0]), *zoa[1:], "--out", str(a.work / f"zoa_{name}")], check=True)
             train(a.venv, a.work / "data", name, a.work / f"ds_{name}")
         print(table(a.work))
