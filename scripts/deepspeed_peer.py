@@ -372,7 +372,8 @@ def variant_of(a: argparse.Namespace) -> dict:
         variant["bias_corrected_lr"] = True
     if a.full_precision_before_freeze:
         if a.optimizer != "zero_one_adam":
-            sys.exit("--full-precision-before-freeze is a ZeroOneAdam diagnostic: pass --optimizer zero_one_adam.")
+            print("error: --full-precision-before-freeze is a ZeroOneAdam diagnostic: pass --optimizer zero_one_adam.", file=sys.stderr)
+            sys.exit(2)
         variant["full_precision_before_freeze"] = True
     return variant
 
