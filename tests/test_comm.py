@@ -40,11 +40,11 @@ def _input(case: int, call: int, rank: int, layout, dtype, zeros: bool) -> torch
 LAYOUTS = [(32, 64), (SCALE_ROW, None)]
 
 
-def _run_cases(rank, world_size):
+def _run_cases(rank, world_size, kernels):
     results = []
     for case, (_, sizes, dtype, zeros) in enumerate(CASES):
         for scale_row, block_size in LAYOUTS:
-            comm = OneBitAllReduce(sizes, block_size=block_size, scale_row=scale_row, ledger=CommLedger(num_params=sum(sizes)))
+            comm = OneBitAllReduce(sizes, block_size=block_size, scale_row=scale_row, ledger=CommLedger(num_params=sum(sizes)), kernels=kernels)
             calls = []
             for call in range(3):
                 x = _input(case, call, rank, comm.layout, dtype, zeros)
@@ -54,9 +54,11 @@ def _run_cases(rank, world_size):
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_onebit_allreduce_matches_reference_and_is_identical_on_all_ranks(world_size):
-    ranks = run_ranks(_run_cases, world_size)
+@pytest.mark.parametrize("world_size, kernels", [(2, "torch"), (3, "torch"), (4, "torch"), (2, "native"), (3, "native"), (4, "native"), (3, "triton")])
+def test_onebit_allreduce_matches_reference_and_is_identical_on_all_ranks(world_size, kernels, monkeypatch):
+    if kernels == "triton":  # Triton's interpreter runs the GPU kernels on CPU tensors (the spawned ranks inherit it)
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ranks = run_ranks(_run_cases, world_size, kernels)
     n = world_size
     for case, (name, sizes, dtype, zeros) in enumerate(CASES):
         for index, (scale_row, _) in enumerate(LAYOUTS):
@@ -200,16 +202,17 @@ def test_ledger_totals_for_a_known_sequence():
         "intra_bits_per_param": 0.0, "intra_bytes_sent": 0}  # fmt: skip
 
 
-def _allocated(rank, world_size, numel):
-    comm = OneBitAllReduce(numel, ledger=CommLedger(num_params=numel))
-    return {name: getattr(comm, name).numel() * getattr(comm, name).element_size() for name in onebit_buffers(numel, world_size)}
+def _allocated(rank, world_size, numel, kernels):
+    comm = OneBitAllReduce(numel, ledger=CommLedger(num_params=numel), kernels=kernels)
+    held = {name: getattr(comm.kernels if name not in vars(comm) else comm, name) for name in onebit_buffers(numel, world_size, kernels=kernels)}
+    return {name: tensor.numel() * tensor.element_size() for name, tensor in held.items()}
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_buffer_sizes_follow_the_layout(world_size):
+@pytest.mark.parametrize("world_size, kernels", [(1, "auto"), (2, "torch"), (2, "native")])
+def test_buffer_sizes_follow_the_layout(world_size, kernels):
     # bench optim counts memory from onebit_buffers: what an instance holds, in bytes.
     numel = 3 * SCALE_ROW + 1001
-    held = run_ranks(_allocated, world_size, numel)[0] if world_size > 1 else _allocated(0, 1, numel)
+    held = run_ranks(_allocated, world_size, numel, kernels)[0] if world_size > 1 else _allocated(0, 1, numel, kernels)
     if world_size == 1:  # inactive: the accumulator only
         assert held["_worker"] == 4 * numel and all(size == 0 for name, size in held.items() if name != "_worker")
         return
@@ -218,7 +221,10 @@ def test_buffer_sizes_follow_the_layout(world_size):
     assert (layout.rows, layout.row) == (2, -(-per_rank // 64) * 32)
     assert held["_worker"] == 4 * layout.padded and held["_server"] == 4 * layout.chunk
     assert held["_send"] == held["_recv"] == held["_gathered"] == 2 * held["_mine"] == 2 * (layout.chunk // 8 + 4 * 2)
-    assert held["_flags"] == 4 * 2 * layout.row and held["_server_coef"] == 4 * 3 * 2  # both rows in one CPU block
+    if kernels == "torch":  # the torch path's per-block scratch
+        assert held["_flags"] == 4 * 2 * layout.row and held["_server_coef"] == 4 * 3 * 2  # both rows in one CPU block
+    else:  # fused passes need none
+        assert set(held) == {"_worker", "_server", "_send", "_recv", "_gathered", "_mine"}
 
 
 def test_world_size_one_returns_input_unchanged():
@@ -331,16 +337,20 @@ def test_a_non_finite_input_stays_in_its_rows_and_leaves_later_calls_finite():
     assert torch.equal(ranks[1][1], after)
 
 
+@pytest.mark.parametrize("kernels", ["torch", "auto"])  # the torch path's per-block scratch; the fused kernels' none
 @pytest.mark.parametrize("device", ["cpu", "cuda"])  # sizing only: no GPU is needed to count what one would hold
 @pytest.mark.parametrize("numel, world_sizes", [(1_050_000, (2, 8)), (25_000_000, (2, 8, 64)), (117_000_000, (2, 8, 64))])
-def test_the_1bit_call_holds_at_most_a_quarter_copy_beyond_its_errors(device, numel, world_sizes):
+def test_the_1bit_call_holds_at_most_a_quarter_copy_beyond_its_errors(kernels, device, numel, world_sizes):
     """0/1 Adam holds 4 + 1/n fp32 copies (m, v, anchor, worker error, server error); what the 1-bit call
     adds (wire buffers, per-block scratch, the layout's padding in the four full-size buffers) stays
-    under 0.25 copies, on a CPU and an accelerator alike (on the latter blocks were the whole buffer
-    up to 128M elements: 2.2 copies for GPT-2 117M). The gpt2_tiny size is the smallest recipe."""
+    under 0.25 copies, on a CPU and an accelerator alike (on the latter the torch path's blocks were
+    the whole buffer up to 128M elements: 2.2 copies for GPT-2 117M). The gpt2_tiny size is the
+    smallest recipe. The fused kernels hold no scratch: the wire buffers, (3 + 1/n)/32 copies, and padding."""
     for n in world_sizes:
         layout = onebit_layout(numel, n)
-        buffers = onebit_buffers(numel, n, device)
+        buffers = onebit_buffers(numel, n, device, kernels=kernels)
         extra = sum(size * dtype.itemsize for name, (size, dtype) in buffers.items() if name not in ("_worker", "_server"))
         extra += 4 * 4 * (layout.padded - numel)
         assert extra / (4 * numel) <= 0.25, (n, extra / (4 * numel))
+        if kernels == "auto":  # the fused kernels: the wire buffers and nothing more
+            assert set(buffers) == {"_worker", "_server", "_send", "_recv", "_gathered", "_mine"}

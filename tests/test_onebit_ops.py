@@ -1,6 +1,7 @@
 """Launch efficiency of the 1-bit allreduce (issue 13, item 6): a call is a fixed number of tensor
-ops whatever the number of scale segments, plus one per rank, and an optimizer makes one call per
-step for all its parameter groups, with exactly the results of one call per group."""
+ops whatever the number of scale segments (on the torch path plus one per rank; with fused kernels
+one per pass and buffer), and an optimizer makes one call per step for all its parameter groups,
+with exactly the results of one call per group."""
 
 import functools
 
@@ -17,19 +18,27 @@ FEW = [48_000 + 7] * 4  # 4 tensors of 47 rows each
 MANY = [3_000 + 7] * 64  # 64 tensors of 3 rows each: 16 times the tensor boundaries, the same total
 
 
-def _ops_per_call(rank, world_size, sizes):
-    comm = OneBitAllReduce(sizes, block_size=WHOLE, scale_row=ROW, ledger=CommLedger(num_params=sum(sizes)))
+def _ops_per_call(rank, world_size, sizes, kernels):
+    comm = OneBitAllReduce(sizes, block_size=WHOLE, scale_row=ROW, ledger=CommLedger(num_params=sum(sizes)), kernels=kernels)
     x = torch.randn(comm.layout.padded)
     comm.op(x)  # warm-up
-    return sum(count_ops(lambda: comm.op(x)).values())
+    return count_ops(lambda: comm.op(x))
 
 
 def test_ops_per_call_do_not_grow_with_scale_segments_or_ranks():
-    few, many = run_ranks(_ops_per_call, 2, FEW)[0], run_ranks(_ops_per_call, 2, MANY)[0]
+    few, many = (sum(run_ranks(_ops_per_call, 2, sizes, "torch")[0].values()) for sizes in (FEW, MANY))
     assert few == many, (few, many)
     assert few < 50  # a few dozen ops per call, the two collectives included
     # The server sums the ranks' terms in order, one op per rank; nothing else depends on n.
-    assert run_ranks(_ops_per_call, 3, MANY)[0] == many + 1
+    assert sum(run_ranks(_ops_per_call, 3, MANY, "torch")[0].values()) == many + 1
+
+
+def test_fused_kernels_make_one_pass_each_and_the_two_collectives():
+    passes = {"zoa::onebit_worker": 1, "zoa::onebit_server": 1, "zoa::onebit_output": 1}
+    for world_size, sizes in ((2, FEW), (2, MANY), (3, MANY)):
+        ops = run_ranks(_ops_per_call, world_size, sizes, "native")[0]
+        assert {name: count for name, count in ops.items() if name.startswith("zoa::")} == passes
+        assert sum(ops.values()) == 3 + 2, ops  # and the all_to_all and the all_gather
 
 
 ROWS_OF_64 = functools.partial(OneBitAllReduce, scale_row=64)  # rows short enough for these small tensors

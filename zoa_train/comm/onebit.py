@@ -17,16 +17,10 @@ gpt2_tiny, rows cut across tensors trained 0/1 Adam worse: docs/results.md, abla
 padding after each tensor run and at the end carries no value: it is excluded from the scales,
 its error stays zero, and it is zero in the output, so optimizers keep their state in this layout.
 
-Speed: a row's scale needs only that row, so each pass works on whole rows at once: the buffer
-is viewed as (n chunks, rows, row), and a block of a pass is the same rows of all n chunks, so a
-pass is a fixed handful of tensor ops per block (one strided copy puts a block's signs into all n
-wire segments; one table lookup unpacks all n servers' rows) whatever the number of rows (scale
-segments) and of ranks; the server adds the n ranks' terms one op per rank, in order. On CPU
-blocks stay in cache (512K elements); on accelerators one block holds up to 128M elements, so a
-call on most models is a few dozen kernels plus one per rank. The error buffers always hold the
-errors themselves. The server adds each rank's term as flags times a per-row coefficient
-(sign = 2*flag - 1), cheaper than a table lookup; the output is a table lookup with the row's
-scale folded into the table.
+The passes (worker, server, output) are fused kernels where the device has them, Triton on GPUs
+and C++ on CPUs, else torch ops (zoa_train/comm/kernels/: one module per backend, chosen in one
+place); every backend computes the same thing, so the choice changes speed and scratch memory, not
+the wire format. The error buffers always hold the errors themselves.
 Several buffers (an optimizer's parameter groups, each in its own layout) share one call: each
 wire segment holds every buffer's part for that rank, so all groups cost two collectives.
 """
@@ -39,21 +33,14 @@ import torch
 import torch.distributed as dist
 
 from zoa_train.comm.collectives import default_ledger, group_size_rank
+from zoa_train.comm.kernels import PartViews, select_kernels
 from zoa_train.comm.ledger import CommLedger
-from zoa_train.comm.packing import BLOCK, pack_flags, unpack_flags, unpack_rows
 
 SCALE_ROW = 1 << 12  # most elements sharing one scale: a power of two, so most layers fill whole rows
 # Rows are a multiple of 32 elements, so a chunk's packed signs are a whole number of fp32 words
 # and the scales behind them can be viewed as fp32 in place.
 _ROW_ALIGN = 32
 _SCALE_BYTES = 4
-# Elements per block on accelerators at most: few, large kernels, and scratch (about 8.5 bytes per
-# element of a block) of at most about 1 GiB.
-DEVICE_BLOCK = 1 << 27
-# And on every device at most this share of the call's buffers: the scratch then stays near 0.1 fp32
-# copies of them (with the wire buffers, 0.2 + 1/(8n)), small models and accelerators alike, at
-# about 20 blocks of 35 + n ops each per call (docs/results.md, "The 1-bit call's scratch").
-BLOCK_SHARE = 1 / 20
 # torch 2.14 documents all_gather_single and deprecates all_gather_into_tensor (a FutureWarning on
 # every call); older releases have only the latter.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -134,102 +121,37 @@ def _buffer_sizes(sizes) -> list:
     return list(sizes)
 
 
-def block_elements(layouts: Sequence[OneBitLayout], device: torch.device) -> int:
-    """The default elements per block of a call's buffers: BLOCK_SHARE of all of them together (the
-    scratch is shared by the call's buffers, so a small parameter group takes few, large blocks),
-    and at most BLOCK on CPU (in cache) or DEVICE_BLOCK on accelerators."""
-    cap = BLOCK if device.type == "cpu" else DEVICE_BLOCK
-    return min(cap, int(sum(l.padded for l in layouts if l.active) * BLOCK_SHARE))
-
-
-def _block_rows(layout: OneBitLayout, device: torch.device, block_size: int | None, default: int) -> int:
-    """Rows of each chunk that one block of a pass holds: a block is those rows of all n chunks, at
-    most `block_size` elements (`default` when None: on CPU also at most one chunk's worth). A pass is
-    a few kernels per block whatever the number of rows or ranks."""
-    if block_size is None:
-        block_size = min(default, layout.chunk) if device.type == "cpu" else default
-    n = layout.padded // layout.chunk
-    return min(layout.rows, max(1, block_size // (n * layout.row)))
-
-
 def onebit_buffers(
     sizes,
     world_size: int,
     device: torch.device | str = "cpu",
     block_size: int | None = None,
     scale_row: int = SCALE_ROW,
+    kernels: str = "auto",
 ) -> dict[str, tuple[int, torch.dtype]]:
     """(elements, dtype) of each buffer a OneBitAllReduce of `sizes` (see OneBitAllReduce)
     allocates: the error buffers `_worker` (e_w, also the accumulator) and `_server` (e_s of this
     rank's chunks), the wire buffers `_send`, `_recv`, `_gathered` (n segments each) and `_mine`
-    (one), the per-block scratch `_flags`, `_flag_bytes`, `_words`, `_index` and `_tables`, and the
-    per-row `_server_coef`. Inactive (one rank or no elements): worker buffers of numel and all
-    others empty."""
-    return _allocations([onebit_layout(s, world_size, scale_row) for s in _buffer_sizes(sizes)], world_size, torch.device(device), block_size)
-
-
-def _allocations(layouts: Sequence[OneBitLayout], world_size: int, device: torch.device, block_size: int | None) -> dict[str, tuple[int, torch.dtype]]:
+    (one), and the scratch of its kernels (`kernels`, resolved on `device`: none for the fused ones,
+    per-block buffers for the torch path). Inactive (one rank or no elements): worker buffers of
+    numel and all others empty."""
+    device = torch.device(device)
+    layouts = [onebit_layout(s, world_size, scale_row) for s in _buffer_sizes(sizes)]
     active = [l for l in layouts if l.active]
-    n = world_size
-    default = block_elements(active, device)
-    block = max((world_size * l.row * _block_rows(l, device, block_size, default) for l in active), default=0)
-    segment = sum(l.segment for l in active)
+    scratch = select_kernels(kernels, device).scratch(active, world_size, device, block_size) if active else {}
+    return _allocations(layouts, world_size) | scratch
+
+
+def _allocations(layouts: Sequence[OneBitLayout], world_size: int) -> dict[str, tuple[int, torch.dtype]]:
+    segment = sum(l.segment for l in layouts if l.active)
     return {
         "_worker": (sum(l.padded for l in layouts), torch.float32),
-        "_server": (sum(l.chunk for l in active), torch.float32),
-        "_send": (n * segment, torch.uint8),
-        "_recv": (n * segment, torch.uint8),
-        "_gathered": (n * segment, torch.uint8),
+        "_server": (sum(l.chunk for l in layouts if l.active), torch.float32),
+        "_send": (world_size * segment, torch.uint8),
+        "_recv": (world_size * segment, torch.uint8),
+        "_gathered": (world_size * segment, torch.uint8),
         "_mine": (segment, torch.uint8),
-        "_flags": (block, torch.float32),
-        "_flag_bytes": (block, torch.int8),
-        "_words": (block // 8, torch.int64),
-        "_index": (block // 8, torch.int32),
-        "_tables": (max((block // l.row * 256 * 8 for l in active), default=0), torch.float32),
-        "_server_coef": ((n + 1) * sum(l.rows for l in active), torch.float32),
     }
-
-
-class _Block(NamedTuple):
-    """Views of rows first..last of every chunk of one buffer, in every pass: (n, r, row) values,
-    (n, r) scales and norms, (n, r*row/8) packed signs; the server's have one chunk (1, ...)."""
-
-    first: int
-    last: int
-    worker: torch.Tensor  # y, in the worker buffer
-    worker_padding: torch.Tensor | None  # positions of its padding in _worker
-    norm: torch.Tensor  # sqrt of the number of real elements of each row
-    send_signs: torch.Tensor
-    send_scales: torch.Tensor
-    recv_signs: torch.Tensor  # every rank's signs of these rows of this rank's chunk
-    coef: torch.Tensor  # (n + 1, r, 1): 2*s_i/n of each source i, then sum_i s_i/n
-    server: torch.Tensor  # c, in the server buffer
-    server_padding: torch.Tensor | None  # positions of its padding in _server
-    server_norm: torch.Tensor
-    mine_signs: torch.Tensor
-    mine_scales: torch.Tensor
-    gathered_signs: torch.Tensor  # every server's signs and scales of these rows
-    gathered_scales: torch.Tensor
-
-
-class _Part(NamedTuple):
-    """One buffer of the call (one optimizer parameter group) with its own layout."""
-
-    layout: OneBitLayout
-    worker: torch.Tensor  # its part of _worker (padded elements), its accumulator
-    server: torch.Tensor  # its part of _server (one chunk)
-    recv_scales: torch.Tensor  # (n, rows): every rank's scales of this rank's chunk
-    coef: torch.Tensor  # (n + 1, rows)
-    padding: torch.Tensor  # positions of all its padding, to zero the output's
-    blocks: list[_Block]
-
-
-def _padding_positions(valid: torch.Tensor, row: int, first: int, last: int, stride: int) -> torch.Tensor:
-    """Flat positions of the padding in rows first..last of each chunk (a row of `valid`, the real
-    elements at the start of each row), chunks `stride` elements apart."""
-    padding = torch.arange(row) >= valid[:, first:last, None]
-    chunk, rows, column = padding.nonzero(as_tuple=True)
-    return chunk * stride + (first + rows) * row + column
 
 
 def _wire_views(wire: torch.Tensor, column: int, layout: OneBitLayout) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,11 +249,13 @@ class OneBitAllReduce(LaidOutCollective):
     layouts, back to back) and the server error (this rank's chunks, fp32) and all communication
     buffers, allocated once on `device` (default: the process group's device, CUDA for NCCL).
     Math is fp32 whatever the input dtype. With a world size of 1, `op` returns its input
-    unchanged and sends nothing, and `exchange` returns the accumulator exactly. `block_size`
-    (elements per step of a pass; default 512K on CPU, the whole buffer up to 128M elsewhere)
-    changes speed and scratch memory, never results; `scale_row` is part of the wire format and
-    must be the same on every rank. `layouts` (instead of `sizes`): buffers already laid out for
-    this group's size, such as the node-aware sync's shards (zoa_train/comm/hierarchical.py).
+    unchanged and sends nothing, and `exchange` returns the accumulator exactly. `kernels` chooses
+    the passes' backend (zoa_train/comm/kernels: "auto", "torch", "native", "triton"); it and
+    `block_size` (elements per step of a torch-path pass; default 512K on CPU, the whole buffer up
+    to 128M elsewhere) change speed and scratch memory, not the wire format; `scale_row` is part
+    of the wire format and must be the same on every rank. `layouts` (instead of `sizes`): buffers
+    already laid out for this group's size, such as the node-aware sync's shards
+    (zoa_train/comm/hierarchical.py).
     """
 
     def __init__(
@@ -343,6 +267,7 @@ class OneBitAllReduce(LaidOutCollective):
         block_size: int | None = None,
         scale_row: int = SCALE_ROW,
         layouts: Sequence[OneBitLayout] | None = None,
+        kernels: str = "auto",
     ):
         self.group = group
         self.world_size, self.rank = group_size_rank(group)
@@ -355,62 +280,46 @@ class OneBitAllReduce(LaidOutCollective):
             raise ValueError(f"these layouts are not cut into {self.world_size} chunks, one per rank of the group")
         self.layouts = list(layouts)
         self.numel = sum(l.numel for l in self.layouts)
-        for name, (size, dtype) in _allocations(self.layouts, self.world_size, self.device, block_size).items():
+        for name, (size, dtype) in _allocations(self.layouts, self.world_size).items():
             setattr(self, name, torch.zeros(size, dtype=dtype, device=self.device))
         self._accumulators = list(self._worker.split([l.padded for l in self.layouts]))
         self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see _laid_out
         self._segment = sum(l.segment for l in self.layouts if l.active)
-        self._default_block = block_elements(self.layouts, self.device)
-        self._parts: list[_Part | None] = []
-        worker = server = column = coef = 0
+        self._parts: list[PartViews | None] = []
+        worker = server = column = 0
         for layout in self.layouts:
-            self._parts.append(self._part(layout, worker, server, column, coef, block_size) if layout.active else None)
+            self._parts.append(self._part(layout, worker, server, column) if layout.active else None)
             worker += layout.padded
             if layout.active:
-                server, column, coef = server + layout.chunk, column + layout.segment, coef + (self.world_size + 1) * layout.rows
+                server, column = server + layout.chunk, column + layout.segment
+        self._active = [i for i, part in enumerate(self._parts) if part is not None]
+        parts = [self._parts[i] for i in self._active]
+        self.kernels = select_kernels(kernels, self.device)(parts, self.device, block_size) if parts else None
 
-    def _part(self, layout: OneBitLayout, worker: int, server: int, column: int, coef: int, block_size: int | None) -> _Part:
-        """The views of one buffer that starts at these offsets of _worker, _server, a wire segment
-        and _server_coef. Made once: slicing in every call would cost as much as the ops on CPU."""
-        n, rows, row, rank = self.world_size, layout.rows, layout.row, self.rank
+    def _part(self, layout: OneBitLayout, worker: int, server: int, column: int) -> PartViews:
+        """The views of one buffer that starts at these offsets of _worker, _server and a wire segment."""
+        n, rows, row = self.world_size, layout.rows, layout.row
         wires = [w.view(-1, self._segment) for w in (self._send, self._recv, self._gathered, self._mine)]
         (send_signs, send_scales), (recv_signs, recv_scales), (gathered_signs, gathered_scales), (mine_signs, mine_scales) = (
             _wire_views(w, column, layout) for w in wires
         )
-        values = self._worker[worker : worker + layout.padded]
-        chunk = self._server[server : server + layout.chunk]
-        coefs = self._server_coef[coef : coef + (n + 1) * rows].view(n + 1, rows)
         valid = layout.row_lengths().view(n, rows)
-        # sqrt of the number of real elements in each row, for the RMS; >= 1.
-        norm = valid.clamp(min=1).to(torch.float32).sqrt().to(self.device)
-        device_or_none = lambda index: index.to(self.device) if index.numel() else None  # noqa: E731
-        blocks = []
-        step = _block_rows(layout, self.device, block_size, self._default_block)
-        for first in range(0, rows, step):
-            last = min(first + step, rows)
-            signs = slice(first * row // 8, last * row // 8)
-            blocks.append(
-                _Block(
-                    first=first,
-                    last=last,
-                    worker=values.view(n, rows, row)[:, first:last],
-                    worker_padding=device_or_none(worker + _padding_positions(valid, row, first, last, layout.chunk)),
-                    norm=norm[:, first:last],
-                    send_signs=send_signs[:, signs],
-                    send_scales=send_scales[:, first:last],
-                    recv_signs=recv_signs[:, signs],
-                    coef=coefs[:, first:last].unsqueeze(2),
-                    server=chunk.view(1, rows, row)[:, first:last],
-                    server_padding=device_or_none(server + _padding_positions(valid[rank : rank + 1], row, first, last, 0)),
-                    server_norm=norm[rank : rank + 1, first:last],
-                    mine_signs=mine_signs[:, signs],
-                    mine_scales=mine_scales[:, first:last],
-                    gathered_signs=gathered_signs[:, signs],
-                    gathered_scales=gathered_scales[:, first:last],
-                )
-            )
-        padding = _padding_positions(valid, row, 0, rows, layout.chunk).to(self.device)
-        return _Part(layout, values, chunk, recv_scales, coefs, padding, blocks)
+        return PartViews(
+            worker=self._worker[worker : worker + layout.padded].view(n, rows, row),
+            valid=valid.to(torch.int32).to(self.device),
+            # sqrt of the number of real elements in each row, for the RMS; >= 1.
+            norm=valid.clamp(min=1).to(torch.float32).sqrt().to(self.device),
+            send_signs=send_signs,
+            send_scales=send_scales,
+            recv_signs=recv_signs,
+            recv_scales=recv_scales,
+            server=self._server[server : server + layout.chunk].view(1, rows, row),
+            rank=self.rank,
+            mine_signs=mine_signs,
+            mine_scales=mine_scales,
+            gathered_signs=gathered_signs,
+            gathered_scales=gathered_scales,
+        )
 
     def _only(self) -> int:
         """0, the index of the only buffer (for the one-buffer interface)."""
@@ -422,11 +331,6 @@ class OneBitAllReduce(LaidOutCollective):
     def layout(self) -> OneBitLayout:
         """The layout of the only buffer."""
         return self.layouts[self._only()]
-
-    @property
-    def blocks_per_call(self) -> int:
-        """Blocks that each pass of a call works through, all buffers together (ops grow with them)."""
-        return sum(len(part.blocks) for part in self._parts if part is not None)
 
     @property
     def bytes_per_call(self) -> int:
@@ -469,78 +373,20 @@ class OneBitAllReduce(LaidOutCollective):
                 torch.add(acc, a, out=o) if a is not None else o.copy_(acc)
             self._worker.zero_()
             return out
-        active = [(part, o, a) for part, o, a in zip(self._parts, outs, addends) if part is not None]
+        # (the kernels' index of each buffer with elements, its output, its addend)
+        active = [(k, outs[i], addends[i]) for k, i in enumerate(self._active)]
         if not active:
             return out
-        n = self.world_size
-
-        # Worker: y = e_w + addend, compressed block by block into the send segments.
-        for part, _, a in active:
-            for b in part.blocks:
-                if a is not None:
-                    b.worker.add_(self._rows(a, part.layout, b))
-                self._compress(b.worker, self._worker, b.worker_padding, b.norm, b.send_signs, b.send_scales)
-
-        # Pass 1: rank j receives chunk j of everyone.
-        dist.all_to_all_single(self._recv, self._send, group=self.group)
-
-        # Server: c = e_s + mean_i(s_i*sign_i) over this rank's chunk, as
-        # c = e_s + sum_i (2*s_i/n)*flag_i - sum_i s_i/n (sign = 2*flag - 1), summed over i in
-        # order (one op per rank: a sum in one op would round differently).
-        for part, _, _ in active:
-            torch.mul(part.recv_scales, 2.0 / n, out=part.coef[:n])
-            torch.sum(part.coef[:n], dim=0, out=part.coef[n]).mul_(0.5)
-            for b in part.blocks:
-                flags = self._flags[: b.recv_signs.numel() * 8].view(n, *b.worker.shape[1:])
-                unpack_flags(b.recv_signs, self._words[: b.recv_signs.numel()].view(n, -1), flags)
-                c = b.server[0]
-                for i in range(n):
-                    c.addcmul_(flags[i], b.coef[i])
-                c.sub_(b.coef[n])
-                self._compress(b.server, self._server, b.server_padding, b.server_norm, b.mine_signs, b.mine_scales)
-
-        # Pass 2: everyone gathers every server chunk and unpacks the same average.
-        _all_gather(self._gathered, self._mine, group=self.group)
-        for part, o, _ in active:
-            for b in part.blocks:
-                rows = b.gathered_scales.numel()
-                unpack_rows(
-                    b.gathered_signs,
-                    b.gathered_scales,
-                    self._rows(o, part.layout, b),
-                    self._index[: b.gathered_signs.numel()],
-                    self._tables[: rows * 256 * 8],
-                    self._flags,
-                )
-            o.index_fill_(0, part.padding, 0)
-
+        for index, _, a in active:  # worker: y = e_w + addend, compressed into the send segments
+            self.kernels.worker(index, a)
+        dist.all_to_all_single(self._recv, self._send, group=self.group)  # pass 1: rank j receives chunk j of everyone
+        for index, _, _ in active:  # server: c = e_s + mean_i(s_i*sign_i) over this rank's chunk, compressed
+            self.kernels.server(index)
+        _all_gather(self._gathered, self._mine, group=self.group)  # pass 2: every server chunk to everyone
+        for index, o, _ in active:
+            self.kernels.output(index, o)
         self.ledger.record("onebit_allreduce", payload_bits=1, elements=self.numel, bytes_sent=self.bytes_per_call, calls=2)
         return out
-
-    @staticmethod
-    def _rows(flat: torch.Tensor, layout: OneBitLayout, block: _Block) -> torch.Tensor:
-        """Rows first..last of every chunk of a buffer in `layout`, (n, r, row)."""
-        rows = flat.view(-1, layout.rows, layout.row)
-        return rows if block.last - block.first == layout.rows else rows[:, block.first : block.last]
-
-    def _compress(self, values, base, padding, norm, signs, scales) -> None:
-        """Compress a block of y, (k, r, row), in place: per row s = RMS into the wire's `scales`,
-        the signs packed into the wire's `signs`, and y <- y - s*sign(y). Padding (positions in
-        `base`, the buffer `values` views) counts as zero and its error stays zero."""
-        if padding is not None:
-            base.index_fill_(0, padding, 0)
-        torch.linalg.vector_norm(values, dim=2, out=scales).div_(norm)
-        flags = self._flags[: values.numel()].view(values.shape)
-        torch.ge(values, 0, out=flags)
-        # y - s*sign(y) with sign = 2*flag - 1: y + s - 2*s*flag
-        column = scales.unsqueeze(2)
-        values.add_(column).addcmul_(flags, column, value=-2)
-        # A non-finite value makes its row's scale non-finite, which the wire carries to every rank's
-        # output of that row; its error would carry it into every later call: it restarts at zero.
-        values.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        pack_flags(flags.view(-1), self._flag_bytes[: values.numel()], signs)
-        if padding is not None:
-            base.index_fill_(0, padding, 0)  # the residual left -s there
 
     def state_dicts(self) -> list[dict]:
         """One state per buffer, each as a OneBitAllReduce of that buffer alone saves it."""

@@ -1,12 +1,15 @@
 """Sign packing: 8 signs per byte, bit k of byte i is element 8*i+k, bit set means >= 0.
 
-Both directions are plain vectorised torch ops (no Python loop over elements), so the same code
+`pack_signs` and `unpack_signs` use the device's fused kernel where it has one (zoa_train/comm/kernels);
+the torch path below is the reference. Both directions there are plain vectorised torch ops (no Python loop over elements), so the same code
 runs on CPU and CUDA. Packing multiplies each group of 8 one-byte flags, read as one int64, by a
 constant that gathers their low bits into the top byte; unpacking is a lookup in a table of 256
 rows x 8 values, which also folds in the scale (one scaled table per row of a 2-D unpack).
 """
 
 import torch
+
+from zoa_train.comm.kernels import fused_codec
 
 # Byte k of the int64 word (value 0 or 1) lands on bit 56 + k of the product.
 _GATHER_BITS = 0x0102040810204080
@@ -50,11 +53,16 @@ def unpack_flags(packed: torch.Tensor, words: torch.Tensor, out: torch.Tensor) -
 
 
 def pack_signs(x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pack the signs of `x` (flattened) into ceil(len/8) bytes; sign(0) = +1, padding bits are +1."""
+    """Pack the signs of `x` (flattened) into ceil(len/8) bytes; sign(0) = +1, padding bits are +1.
+    An fp32 `x` goes through the device's fused kernel where it has one (zoa_train/comm/kernels)."""
     x = x.reshape(-1)
     n = x.numel()
     if out is None:
         out = torch.empty((n + 7) // 8, dtype=torch.uint8, device=x.device)
+    fused = fused_codec(x.device) if x.dtype == torch.float32 and out.is_contiguous() else None
+    if fused is not None:
+        fused.pack(x.contiguous(), out)
+        return out
     length = min(BLOCK, (n + 7) // 8 * 8)
     flags = torch.empty(length, dtype=torch.float32, device=x.device)
     flag_bytes = torch.empty(length, dtype=torch.int8, device=x.device)
@@ -124,6 +132,10 @@ def unpack_signs(
         raise ValueError(f"cannot unpack {n} signs from {packed.numel()} bytes")
     if out is None:
         out = torch.empty(n, dtype=torch.float32, device=packed.device)
+    fused = fused_codec(packed.device) if out.dtype == torch.float32 and out.is_contiguous() and packed.is_contiguous() else None
+    if fused is not None:
+        fused.unpack(packed, float(scale), out.view(-1))
+        return out
     scale = torch.as_tensor(scale, dtype=torch.float32, device=packed.device).reshape(1)
     index = torch.empty(min(BLOCK, n + 7) // 8, dtype=torch.int32, device=packed.device)
     tables = torch.empty(256 * 8, dtype=torch.float32, device=packed.device)

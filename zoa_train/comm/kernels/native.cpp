@@ -1,0 +1,248 @@
+// The 1-bit allreduce's passes fused for CPUs: one loop over the rows per pass, each row read from
+// memory once (a row of at most 4096 fp32 stays in L1/L2 between its reduction and its update).
+// Built at first use by zoa_train/comm/kernels/native.py; the arithmetic is that of the torch path
+// (zoa_train/comm/kernels/torch_ops.py) operation for operation, except the row's sum of squares,
+// which is accumulated in double in its own order.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+// Where row r of a pass keeps its packed signs and its scale: row r % rows of chunk r / rows, a
+// chunk's signs and scales `sign_stride` bytes and `scale_stride` floats after the previous chunk's.
+struct Wire {
+  uint8_t* signs;
+  int64_t sign_stride;
+  float* scales;
+  int64_t scale_stride;
+  int64_t rows;
+  int64_t row;
+  uint8_t* row_signs(int64_t r) const { return signs + (r / rows) * sign_stride + (r % rows) * (row / 8); }
+  float* row_scale(int64_t r) const { return scales + (r / rows) * scale_stride + r % rows; }
+};
+
+Wire wire(const torch::Tensor& signs, const torch::Tensor& scales, int64_t rows, int64_t row) {
+  TORCH_CHECK(signs.dtype() == torch::kUInt8 && signs.dim() == 2 && signs.stride(1) == 1, "signs: (chunks, bytes) uint8");
+  TORCH_CHECK(scales.dtype() == torch::kFloat32 && scales.dim() == 2 && scales.stride(1) == 1, "scales: (chunks, rows) float32");
+  return {signs.data_ptr<uint8_t>(), signs.stride(0), scales.data_ptr<float>(), scales.stride(0), rows, row};
+}
+
+// Rows processed per task: a few hundred KB of data, enough to amortise a thread hand-off.
+int64_t grain(int64_t row) { return std::max<int64_t>(1, (1 << 16) / row); }
+
+double sum_of_squares(const float* y, int64_t count) {
+  double lanes[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t j = 0;
+  for (; j + 8 <= count; j += 8)
+    for (int k = 0; k < 8; ++k) lanes[k] += static_cast<double>(y[j + k]) * y[j + k];
+  for (; j < count; ++j) lanes[0] += static_cast<double>(y[j]) * y[j];
+  return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+// Eight elements -> their sign bits (bit k: y[k] >= 0; NaN gives 0) and their errors in place:
+// y + s - 2s where y >= 0, y + s elsewhere (the torch path's y + s - 2*s*flag), zero where not finite.
+inline uint8_t compress8(float* y, float s, float two_s) {
+#if defined(__AVX2__)
+  const __m256 v = _mm256_loadu_ps(y);
+  const __m256 ge = _mm256_cmp_ps(v, _mm256_setzero_ps(), _CMP_GE_OQ);
+  const __m256 t = _mm256_add_ps(v, _mm256_set1_ps(s));
+  __m256 e = _mm256_sub_ps(t, _mm256_and_ps(ge, _mm256_set1_ps(two_s)));
+  // finite <=> |e| <= FLT_MAX (false for inf and NaN)
+  const __m256 magnitude = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), e);
+  e = _mm256_and_ps(e, _mm256_cmp_ps(magnitude, _mm256_set1_ps(3.4028234663852886e38f), _CMP_LE_OQ));
+  _mm256_storeu_ps(y, e);
+  return static_cast<uint8_t>(_mm256_movemask_ps(ge));
+#else
+  unsigned byte = 0;
+  for (int k = 0; k < 8; ++k) {
+    const bool flag = y[k] >= 0.0f;
+    byte |= static_cast<unsigned>(flag) << k;
+    const float t = y[k] + s;
+    const float e = flag ? t - two_s : t;
+    y[k] = std::isfinite(e) ? e : 0.0f;
+  }
+  return static_cast<uint8_t>(byte);
+#endif
+}
+
+// One row of y (its first `valid` elements real, the rest padding, taken as zero): s = RMS over the
+// real elements, the signs packed (bit k of byte q is element 8q+k >= 0: padding's bits are set, as
+// sign(0) = +1), y <- y - s*sign(y) with padding's error zero.
+inline void compress_row(float* y, int64_t row, int64_t valid, float norm, uint8_t* signs, float* scale) {
+  std::memset(y + valid, 0, sizeof(float) * (row - valid));
+  const float s = static_cast<float>(std::sqrt(sum_of_squares(y, valid))) / norm;
+  const float two_s = 2.0f * s;
+  for (int64_t q = 0; q < row / 8; ++q) signs[q] = compress8(y + 8 * q, s, two_s);
+  std::memset(y + valid, 0, sizeof(float) * (row - valid));  // the residual left -s there
+  *scale = s;
+}
+
+template <typename T>
+void add_rows(float* y, const T* addend, int64_t first, int64_t last, int64_t row, const int32_t* valid) {
+  for (int64_t r = first; r < last; ++r)
+    for (int64_t j = 0; j < valid[r]; ++j) y[r * row + j] += static_cast<float>(addend[r * row + j]);
+}
+
+// Worker pass: y = values (+ addend) per row of values (R, row), compressed into the wire; values
+// then hold the error.
+void compress(torch::Tensor values, c10::optional<torch::Tensor> addend, torch::Tensor valid, torch::Tensor norm, torch::Tensor signs,
+              torch::Tensor scales) {
+  TORCH_CHECK(values.dtype() == torch::kFloat32 && values.is_contiguous() && values.dim() == 3, "values: contiguous (chunks, rows, row) float32");
+  const int64_t rows = values.size(1), row = values.size(2), total = values.size(0) * rows;
+  TORCH_CHECK(row % 8 == 0 && valid.numel() == total && norm.numel() == total, "valid, norm: one per row");
+  const Wire w = wire(signs, scales, rows, row);
+  float* y = values.data_ptr<float>();
+  const int32_t* v = valid.data_ptr<int32_t>();
+  const float* nm = norm.data_ptr<float>();
+  TORCH_CHECK(!addend.has_value() || (addend->is_contiguous() && addend->numel() == values.numel()), "addend: contiguous, one per element");
+  at::parallel_for(0, total, grain(row), [&](int64_t first, int64_t last) {
+    if (addend.has_value()) {
+      const torch::Tensor& a = *addend;
+      if (a.scalar_type() == torch::kFloat32) add_rows(y, a.data_ptr<float>(), first, last, row, v);
+      else if (a.scalar_type() == torch::kBFloat16) add_rows(y, a.data_ptr<c10::BFloat16>(), first, last, row, v);
+      else add_rows(y, a.data_ptr<c10::Half>(), first, last, row, v);
+    }
+    for (int64_t r = first; r < last; ++r) compress_row(y + r * row, row, v[r], nm[r], w.row_signs(r), w.row_scale(r));
+  });
+}
+
+// Server pass over this rank's rows of server (1, rows, row): c = server + sum_i (2*s_i/n)*flag_i -
+// sum_i s_i/n (sign = 2*flag - 1), the sources added in order as the torch path does, then
+// compressed as the worker's y into `mine`.
+void server(torch::Tensor recv_signs, torch::Tensor recv_scales, double two_over_n, torch::Tensor values, torch::Tensor valid, torch::Tensor norm,
+            torch::Tensor signs, torch::Tensor scales) {
+  TORCH_CHECK(values.dtype() == torch::kFloat32 && values.is_contiguous() && values.dim() == 3, "values: contiguous (1, rows, row) float32");
+  const int64_t rows = values.size(1), row = values.size(2), sources = recv_signs.size(0);
+  const Wire in = wire(recv_signs, recv_scales, rows, row), out = wire(signs, scales, rows, row);
+  float* c = values.data_ptr<float>();
+  const int32_t* v = valid.data_ptr<int32_t>();
+  const float* nm = norm.data_ptr<float>();
+  const float factor = static_cast<float>(two_over_n);
+  at::parallel_for(0, rows, grain(row), [&](int64_t first, int64_t last) {
+    for (int64_t r = first; r < last; ++r) {
+      float* y = c + r * row;
+      float coef_sum = 0.0f;
+      for (int64_t i = 0; i < sources; ++i) {
+        const float coef = in.scales[i * in.scale_stride + r] * factor;
+        coef_sum += coef;
+        const uint8_t* bytes = in.signs + i * in.sign_stride + r * (row / 8);
+        for (int64_t q = 0; q < row / 8; ++q)
+          for (int k = 0; k < 8; ++k) y[8 * q + k] += static_cast<float>((bytes[q] >> k) & 1) * coef;
+      }
+      const float mean = coef_sum * 0.5f;
+      for (int64_t j = 0; j < row; ++j) y[j] -= mean;
+      compress_row(y, row, v[r], nm[r], out.row_signs(r), out.row_scale(r));
+    }
+  });
+}
+
+// Bit k of byte b as the sign bit of an fp32 word: XORed into a positive scale it gives -scale.
+struct SignMasks {
+  uint32_t mask[256][8];
+  SignMasks() {
+    for (int b = 0; b < 256; ++b)
+      for (int k = 0; k < 8; ++k) mask[b][k] = ((b >> k) & 1) ? 0u : 0x80000000u;
+  }
+};
+const SignMasks kSignMasks;
+
+inline void signs_times(const uint8_t* bytes, float s, int64_t count, float* out) {
+  uint32_t bits;
+  std::memcpy(&bits, &s, 4);
+  for (int64_t q = 0; q < count / 8; ++q) {
+    const uint32_t* mask = kSignMasks.mask[bytes[q]];
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t word = bits ^ mask[k];
+      std::memcpy(out + 8 * q + k, &word, 4);
+    }
+  }
+}
+
+template <typename T>
+void output_rows(const Wire& w, const int32_t* v, T* out, int64_t first, int64_t last) {
+  const int64_t row = w.row;
+  float staged[8];
+  for (int64_t r = first; r < last; ++r) {
+    T* o = out + r * row;
+    const uint8_t* bytes = w.row_signs(r);
+    const float s = *w.row_scale(r);
+    if constexpr (std::is_same_v<T, float>) {
+      signs_times(bytes, s, row, o);
+    } else {
+      for (int64_t q = 0; q < row / 8; ++q) {
+        signs_times(bytes + q, s, 8, staged);
+        for (int k = 0; k < 8; ++k) o[8 * q + k] = static_cast<T>(staged[k]);
+      }
+    }
+    for (int64_t j = v[r]; j < row; ++j) o[j] = static_cast<T>(0.0f);
+  }
+}
+
+// Output pass: the gathered signs of every chunk times their row scales into out (R, row), padding zero.
+void decompress(torch::Tensor signs, torch::Tensor scales, torch::Tensor valid, torch::Tensor out) {
+  TORCH_CHECK(out.is_contiguous() && out.dim() == 3, "out: contiguous (chunks, rows, row)");
+  const int64_t rows = out.size(1), row = out.size(2), total = out.size(0) * rows;
+  const Wire w = wire(signs, scales, rows, row);
+  const int32_t* v = valid.data_ptr<int32_t>();
+  at::parallel_for(0, total, grain(row), [&](int64_t first, int64_t last) {
+    switch (out.scalar_type()) {
+      case torch::kFloat32: output_rows(w, v, out.data_ptr<float>(), first, last); break;
+      case torch::kBFloat16: output_rows(w, v, out.data_ptr<c10::BFloat16>(), first, last); break;
+      case torch::kHalf: output_rows(w, v, out.data_ptr<c10::Half>(), first, last); break;
+      default: TORCH_CHECK(false, "out: float32, bfloat16 or float16");
+    }
+  });
+}
+
+// pack_signs / unpack_signs (zoa_train/comm/packing.py) for fp32 on CPU: 8 signs per byte.
+void pack(torch::Tensor x, torch::Tensor out) {
+  const float* p = x.data_ptr<float>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  const int64_t n = x.numel();
+  at::parallel_for(0, n / 8, 1 << 14, [&](int64_t first, int64_t last) {
+    for (int64_t q = first; q < last; ++q) {
+#if defined(__AVX2__)
+      o[q] = static_cast<uint8_t>(_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + 8 * q), _mm256_setzero_ps(), _CMP_GE_OQ)));
+#else
+      unsigned byte = 0;
+      for (int k = 0; k < 8; ++k) byte |= static_cast<unsigned>(p[8 * q + k] >= 0.0f) << k;
+      o[q] = static_cast<uint8_t>(byte);
+#endif
+    }
+  });
+  if (n % 8) {  // the last byte's missing elements count as +1
+    unsigned byte = 0xFFu;
+    for (int64_t k = 0; k < n % 8; ++k) byte &= ~(static_cast<unsigned>(!(p[n - n % 8 + k] >= 0.0f)) << k);
+    o[n / 8] = static_cast<uint8_t>(byte);
+  }
+}
+
+void unpack(torch::Tensor packed, double scale, torch::Tensor out) {
+  const uint8_t* b = packed.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  const int64_t n = out.numel();
+  const float s = static_cast<float>(scale);
+  at::parallel_for(0, n / 8, 1 << 14, [&](int64_t first, int64_t last) { signs_times(b + first, s, 8 * (last - first), o + 8 * first); });
+  for (int64_t j = n - n % 8; j < n; ++j) o[j] = ((b[j / 8] >> (j % 8)) & 1) ? s : -s;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("compress", &compress);
+  m.def("server", &server);
+  m.def("decompress", &decompress);
+  m.def("pack", &pack);
+  m.def("unpack", &unpack);
+}

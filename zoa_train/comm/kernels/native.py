@@ -1,0 +1,118 @@
+"""The 1-bit call's passes as fused C++ loops on CPUs (native.cpp beside this file).
+
+Built at first use with torch.utils.cpp_extension (g++ and torch's headers; about 30 s once, then
+cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions, and shared by every rank
+and run; `make install` builds it ahead). The build targets this machine's processor (-march=native),
+so its name carries a fingerprint of the processor's features: a cache shared by several kinds of
+machine (a home directory on a cluster) holds one build per kind. Where it cannot be built (no
+compiler), the torch path runs and the log says why once.
+
+`python -m zoa_train.comm.kernels.native` builds it and says where it is, or why it could not.
+"""
+
+import hashlib
+import logging
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from zoa_train.comm.kernels import PartViews, profiled
+
+SOURCE = Path(__file__).with_name("native.cpp")
+FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]  # no fused multiply-add: the torch path's rounding
+_built: dict[str, object] = {}  # "module" or "error"
+
+
+def _processor_fingerprint() -> str:
+    """A short hash of what -march=native compiles for: the processor's model and feature flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        facts = [line for line in text.splitlines() if line.startswith(("flags", "model name", "Features", "CPU part"))][:4]
+    except OSError:
+        facts = []
+    facts.append(platform.machine())
+    return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:10]
+
+
+def build():
+    """The compiled module (built or loaded from the cache on the first call); raises where it cannot be built."""
+    if "module" not in _built and "error" not in _built:
+        # Importing cpp_extension on a machine without CUDA logs a warning about CUDA_HOME: not ours to show.
+        quiet = logging.getLogger("torch.utils.cpp_extension")
+        level = quiet.level
+        quiet.setLevel(logging.ERROR)
+        try:
+            from torch.utils import cpp_extension
+
+            _built["module"] = cpp_extension.load(f"zoa_onebit_{_processor_fingerprint()}", sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+        except Exception as error:  # no compiler, no headers, a read-only cache: the torch path runs
+            _built["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else 'failed'}"
+        finally:
+            quiet.setLevel(level)
+    if "error" in _built:
+        raise RuntimeError(_built["error"])
+    return _built["module"]
+
+
+class Kernels:
+    """The native backend (zoa_train/comm/kernels/__init__.py)."""
+
+    def __init__(self, parts: Sequence[PartViews], device: torch.device, block_size: int | None):
+        self.parts, self.module = list(parts), build()
+        # The server's rows: this rank's, with their real lengths and norms.
+        self._server_rows = [(p.valid[p.rank].contiguous(), p.norm[p.rank].contiguous()) for p in self.parts]
+        self._valid = [p.valid.contiguous().view(-1) for p in self.parts]
+        self._norm = [p.norm.contiguous().view(-1) for p in self.parts]
+
+    @staticmethod
+    def scratch(layouts, world_size: int, device: torch.device, block_size: int | None) -> dict[str, tuple[int, torch.dtype]]:
+        return {}
+
+    @staticmethod
+    def unavailable(device: torch.device) -> str | None:
+        if device.type != "cpu":
+            return "CPU only"
+        try:
+            build()
+        except RuntimeError as error:
+            return f"could not be built ({error})"
+        return None
+
+    def worker(self, part: int, addend: torch.Tensor | None) -> None:
+        p = self.parts[part]
+        if addend is not None and addend.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            p.worker.view(-1).add_(addend)
+            addend = None
+        with profiled("zoa::onebit_worker"):
+            self.module.compress(p.worker, addend, self._valid[part], self._norm[part], p.send_signs, p.send_scales)
+
+    def server(self, part: int) -> None:
+        p = self.parts[part]
+        valid, norm = self._server_rows[part]
+        with profiled("zoa::onebit_server"):
+            self.module.server(p.recv_signs, p.recv_scales, 2.0 / p.recv_signs.shape[0], p.server, valid, norm, p.mine_signs, p.mine_scales)
+
+    def output(self, part: int, out: torch.Tensor) -> None:
+        p = self.parts[part]
+        with profiled("zoa::onebit_output"):
+            self.module.decompress(p.gathered_signs, p.gathered_scales, self._valid[part], out.view(p.worker.shape))
+
+
+def pack(x: torch.Tensor, out: torch.Tensor) -> None:
+    """The signs of fp32 `x` (contiguous) packed into `out`, as packing.pack_signs."""
+    build().pack(x, out)
+
+
+def unpack(packed: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """out (contiguous fp32) <- +scale / -scale by the bits of `packed`, as packing.unpack_signs."""
+    build().unpack(packed, scale, out)
+
+
+if __name__ == "__main__":
+    try:
+        module = build()
+    except RuntimeError as error:
+        raise SystemExit(f"the native 1-bit kernels could not be built ({error}); the torch path will run") from None
+    print(f"native 1-bit kernels: {module.__file__}")
