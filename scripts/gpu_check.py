@@ -54,7 +54,8 @@ sys.path.insert(0, str(ROOT))
 
 from zoa_train.bench.comm import bert_large_groups, count_ops  # noqa: E402
 from zoa_train.comm import ClusterCollective, CommLedger, OneBitAllReduce, onebit_layout, pack_signs, unpack_signs  # noqa: E402
-from zoa_train.comm.onebit import block_elements  # noqa: E402
+from zoa_train.comm.kernels import PartViews, backend, select_kernels  # noqa: E402
+from zoa_train.comm.kernels.torch_ops import block_elements  # noqa: E402
 from zoa_train.distributed import init_process_group, threads_per_rank  # noqa: E402
 from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam  # noqa: E402
 
@@ -168,6 +169,146 @@ def check_runs(device: torch.device, quick: bool) -> None:
             report(name, ok, detail)
 
 
+# --- the fused 1-bit kernels, pass by pass (zoa_train/comm/kernels) ------------------------------
+
+
+def emulated_part(n: int, rows: int, row: int, device: torch.device, seed: int = 0) -> PartViews:
+    """One buffer of a 1-bit call on n emulated ranks (this process is rank 0), on `device`: rows of
+    values of many magnitudes, random received and gathered signs and scales, a short first and
+    last row (padding), as the collective's own views are shaped (wire segments, strided)."""
+    g = torch.Generator().manual_seed(seed)
+    chunk, segment = rows * row, rows * row // 8 + 4 * rows
+
+    def wire(k: int):
+        w = torch.zeros(k, segment, dtype=torch.uint8, device=device)
+        return w[:, : chunk // 8], w[:, chunk // 8 :].view(torch.float32)
+
+    (send_signs, send_scales), (recv_signs, recv_scales), (gathered_signs, gathered_scales), (mine_signs, mine_scales) = (wire(k) for k in (n, n, n, 1))
+    valid = torch.full((n, rows), row, dtype=torch.int32)
+    valid[0, 0], valid[-1, -1] = 5, row - 24
+    worker = torch.randn(n, rows, row, generator=g) * torch.logspace(-4, 4, n * rows).view(n, rows, 1)
+    for signs, scales in ((recv_signs, recv_scales), (gathered_signs, gathered_scales)):
+        signs.copy_(torch.randint(0, 256, signs.shape, generator=g, dtype=torch.uint8))
+        scales.copy_(torch.rand(scales.shape, generator=g) * 3)
+    return PartViews(worker=worker.to(device), valid=valid.to(device), norm=valid.clamp(min=1).float().sqrt().to(device), send_signs=send_signs,
+                     send_scales=send_scales, recv_signs=recv_signs, recv_scales=recv_scales, server=torch.randn(1, rows, row, generator=g).to(device),
+                     rank=0, mine_signs=mine_signs, mine_scales=mine_scales, gathered_signs=gathered_signs, gathered_scales=gathered_scales)  # fmt: skip
+
+
+def kernel_passes(kernels, device: torch.device, shape: tuple[int, int, int]) -> dict[str, torch.Tensor]:
+    """The three passes of backend class `kernels` on an emulated buffer: inputs and outputs, on the CPU."""
+    p = emulated_part(*shape, device)
+    y, c0 = p.worker.clone(), p.server.clone()
+    run = kernels([p], device, None)
+    run.worker(0, None)
+    run.server(0)
+    out = torch.empty(p.worker.numel(), device=device)
+    run.output(0, out)
+    return {name: t.cpu() for name, t in dict(y=y, c0=c0, out=out, **p._asdict()).items() if isinstance(t, torch.Tensor)}
+
+
+def compare_passes(fused: dict, ref: dict) -> tuple[bool, str]:
+    """The fused passes against the torch path's on the same device: sign bits and outputs equal;
+    scales within the last bits (the row's sum of squares is reduced in another order: a tree on
+    GPUs, double lanes on CPUs); each error the torch formula y + s - 2s[y >= 0] with the fused
+    scale, exactly (its other arithmetic is elementwise and exact in the same order)."""
+    problems = []
+    for signs in ("send_signs", "mine_signs"):
+        if not torch.equal(fused[signs], ref[signs]):
+            problems.append(f"{signs} differ")
+    worst = 0.0
+    for scales in ("send_scales", "mine_scales"):
+        worst = max(worst, float(((fused[scales] - ref[scales]).abs() / ref[scales].abs().clamp(min=1e-30)).max()))
+    if worst > 1e-6:
+        problems.append(f"scales differ by {worst:.1e} relative")
+    real = torch.arange(fused["worker"].shape[2]) < fused["valid"][..., None]
+    y = torch.where(real, fused["y"], 0.0)
+    s = fused["send_scales"].unsqueeze(2)
+    if not torch.equal(fused["worker"], torch.where(real, (y + s).addcmul(torch.ge(y, 0).float(), s, value=-2), 0.0)):
+        problems.append("worker errors are not the torch formula with the fused scales")
+    if not torch.equal(fused["out"], ref["out"]):
+        problems.append("outputs differ")
+    return not problems, "; ".join(problems) or f"bits and outputs equal, scales within {worst:.1e} relative"
+
+
+def time_pass(fn, device: torch.device, repeats: int = 20) -> float:
+    """Median seconds of fn() (CUDA events on a GPU)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def copy_seconds(elements: int, device: torch.device) -> float:
+    source, target = torch.randn(elements, device=device), torch.empty(elements, device=device)
+    return time_pass(lambda: target.copy_(source), device)
+
+
+def pass_seconds(kernels, device: torch.device) -> dict[str, float]:
+    """Median seconds of each pass of backend class `kernels` on an emulated BANDWIDTH_SHAPE buffer."""
+    p = emulated_part(*BANDWIDTH_SHAPE, device)
+    run, out = kernels([p], device, None), torch.empty(p.worker.numel(), device=device)
+    return {
+        "worker": time_pass(lambda: run.worker(0, None), device),
+        "server": time_pass(lambda: run.server(0), device),
+        "output": time_pass(lambda: run.output(0, out), device),
+    }
+
+
+BANDWIDTH_SHAPE = (2, 1 << 14, 4096)  # 2 ranks, 16,384 rows of 4,096: 128M elements (512 MiB of fp32)
+TARGET_OF_COPY = 0.6
+
+
+def check_kernels(device: torch.device) -> None:
+    fused = select_kernels("auto", device)
+    name = fused.__module__.rsplit(".", 1)[-1]
+    for shape in ((2, 64, 4096), (3, 5, 1056), (4, 1, 32)):
+        ok, detail = compare_passes(kernel_passes(fused, device, shape), kernel_passes(backend("torch"), device, shape))
+        report(
+            f"{name} 1-bit kernels on {device.type} equal the torch path pass by pass, {shape[0]} ranks x {shape[1]} rows of {shape[2]}",
+            ok and name != "torch_ops",
+            detail,
+        )
+    if device.type != "cuda":
+        print(f"SKIP  {name} kernels' memory bandwidth  timed on a GPU only (a shared CPU times its neighbours)", flush=True)
+        return
+    # Bandwidth of each pass, as bytes it must move over its time, against a copy of the buffer in
+    # the same run (read and write, what HBM gives a streaming kernel); and the torch path's time.
+    n, rows, row = BANDWIDTH_SHAPE
+    elements = n * rows * row
+    moved = {"worker": elements * (8 + 1 / 8), "server": rows * row * (8 + n / 8), "output": elements * (4 + 1 / 8)}
+    copy_bw = 8 * elements / copy_seconds(elements, device)
+    seconds = {kernels: pass_seconds(kernels, device) for kernels in (fused, backend("torch"))}
+    shares = {k: moved[k] / seconds[fused][k] / copy_bw for k in moved}
+    detail = ", ".join(
+        f"{k} {moved[k] / seconds[fused][k] / 1e12:.2f} TB/s ({shares[k]:.0%} of the copy's; {seconds[fused][k] * 1e3:.2f} ms vs torch path {seconds[backend('torch')][k] * 1e3:.2f} ms)"
+        for k in moved
+    )
+    report(
+        f"{name} kernels at >= {TARGET_OF_COPY:.0%} of a copy's bandwidth ({copy_bw / 1e12:.2f} TB/s), {elements:,} elements",
+        min(shares.values()) >= TARGET_OF_COPY,
+        detail,
+    )
+    from zoa_train.bench.comm import _codec_traffic
+
+    codec, add = _codec_traffic(elements, 10, device)
+    report(
+        f"pack + unpack at >= 0.5 of torch.add's bandwidth on {device.type}: {codec / add:.2f}", codec / add >= 0.5, f"{codec:.0f} GB/s vs add {add:.0f} GB/s"
+    )
+
+
 # --- two Gloo ranks on one device -------------------------------------------------------------
 
 RANKS = 2
@@ -244,33 +385,37 @@ def zero_one_on_rank(rank: int, device: torch.device, collective=OneBitAllReduce
 
 
 def ops_on_rank(device: torch.device, quick: bool) -> dict:
-    """Ops, CUDA launches and times of one 1-bit call of BERT-Large's tensors on `device`."""
+    """Ops, CUDA launches and times of one 1-bit call of BERT-Large's tensors on `device`, with the
+    kernels "auto" picks there (fused) and with the torch path."""
     scale = QUICK_SCALE if quick else 1
     groups = [[max(1, size // scale) for size in sizes] for sizes in bert_large_groups()]
     numel = sum(map(sum, groups))
-    # The accelerators' default blocks also on the CPU, so the CPU counts the ops a GPU runs (its own are cache-sized).
-    block = block_elements([onebit_layout(sizes, dist.get_world_size()) for sizes in groups], torch.device("cuda"))
-    comm = OneBitAllReduce(groups, device=device, block_size=None if device.type == "cuda" else block, ledger=CommLedger(num_params=numel))
-    buffers = [torch.randn(layout.padded, device=device) for layout in comm.layouts]
+    results = {}
+    for kernels in ("auto", "torch"):
+        # The torch path with the accelerators' default blocks also on the CPU, so the CPU counts the ops a GPU runs.
+        shapes = [(dist.get_world_size(), l.rows, l.row) for l in (onebit_layout(sizes, dist.get_world_size()) for sizes in groups)]
+        block = None if device.type == "cuda" or kernels == "auto" else block_elements(shapes, torch.device("cuda"))
+        comm = OneBitAllReduce(groups, device=device, block_size=block, ledger=CommLedger(num_params=numel), kernels=kernels)
+        buffers = [torch.randn(layout.padded, device=device) for layout in comm.layouts]
 
-    def call():
-        comm.op(buffers)
+        def call(comm=comm, buffers=buffers):
+            comm.op(buffers)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        call()  # warm-up: allocator, Gloo's pinned staging buffers, the sign tables, Triton's compilation
+        seconds = []
+        for _ in range(3 if quick else 5):
+            dist.barrier()  # both ranks start together, so neither times the other's lateness
+            start = time.perf_counter()
+            call()
+            seconds.append(time.perf_counter() - start)
+        result = {"elements": numel, "tensors": sum(map(len, groups)), "groups": len(groups), "backend": type(comm.kernels).__module__.rsplit(".", 1)[-1],
+                  "blocks": getattr(comm.kernels, "blocks_per_call", 0), "ops": sum(count_ops(call).values()), "host_s": statistics.median(seconds)}  # fmt: skip
         if device.type == "cuda":
-            torch.cuda.synchronize()
-
-    call()  # warm-up: allocator, Gloo's pinned staging buffers, the sign tables
-    seconds = []
-    for _ in range(3 if quick else 5):
-        dist.barrier()  # both ranks start together, so neither times the other's lateness
-        start = time.perf_counter()
-        call()
-        seconds.append(time.perf_counter() - start)
-    blocks = comm.blocks_per_call
-    result = {"elements": numel, "tensors": sum(map(len, groups)), "groups": len(groups), "blocks": blocks,
-              "ops": sum(count_ops(call).values()), "host_s": statistics.median(seconds)}  # fmt: skip
-    if device.type == "cuda":
-        result.update(cuda_launches(call))
-    return result
+            result.update(cuda_launches(call))
+        results[kernels] = result
+    return results
 
 
 def cuda_launches(call) -> dict:
@@ -367,26 +512,27 @@ def report_zero_one(name: str, ranks: list[list]) -> None:
 
 
 def report_ops(name: str, device: torch.device, ops: dict) -> None:
-    # The design (zoa_train/comm/onebit.py; docs/results.md, "Ops per 1-bit call"): per call 2
-    # collectives, 4 ops per parameter group and about 34 + n ops per block (worker 12, server 17
-    # + one per rank, unpack 5), whatever the number of tensors or scale rows. A block holds at most
-    # 1/20 of the call's buffers (BLOCK_SHARE): BERT-Large's weights take 20 blocks and the rest one
-    # (at 1/16 of its size likewise). The bound allows 25% more, so an op added per block fits and
-    # one per tensor or row (398 tensors, 82,000 rows) does not. On CUDA most ops launch one kernel and
-    # a few may launch two (a reduction written into a strided view, a copy that casts): launches
-    # may be up to twice the bound (an estimate until the first GPU run measures it).
-    bound = round(1.25 * (2 + 4 * ops["groups"] + (34 + RANKS) * ops["blocks"]))
-    detail = f"{ops['ops']} ops per call (bound {bound}; {ops['tensors']} tensors, {ops['elements']:,} elements, {ops['blocks']} blocks)"
-    ok = ops["ops"] <= bound
+    # The design (zoa_train/comm/onebit.py, zoa_train/comm/kernels; docs/results.md, "Ops per 1-bit
+    # call"). Fused kernels: per call 2 collectives and 3 passes per parameter group, each one
+    # kernel launch on a GPU. The torch path: 2 collectives, 4 ops per parameter group and about
+    # 34 + n ops per block (worker 12, server 17 + one per rank, unpack 5), whatever the number of
+    # tensors or scale rows; a block holds at most 1/20 of the call's buffers (BLOCK_SHARE). The
+    # torch path's bound allows 25% more, so an op added per block fits and one per tensor or row
+    # (398 tensors, 82,000 rows) does not; on CUDA a few of its ops may launch two kernels.
+    fused, unfused = ops["auto"], ops["torch"]
+    bounds = {"auto": 2 + 3 * fused["groups"], "torch": round(1.25 * (2 + 4 * unfused["groups"] + (34 + RANKS) * unfused["blocks"]))}
+    ok = fused["backend"] != "torch_ops" and all(ops[k]["ops"] <= bounds[k] for k in bounds)
+    detail = (f"{fused['backend']} kernels {fused['ops']} ops per call (bound {bounds['auto']}), torch path {unfused['ops']} (bound {bounds['torch']}, "
+              f"{unfused['blocks']} blocks); {fused['tensors']} tensors, {fused['elements']:,} elements")  # fmt: skip
     if device.type == "cuda":
-        # launches as the host's runtime calls where the profiler records them, else as the kernels
-        # it saw on the device; none at all means the profiler saw nothing, not a free call
-        launches, seen_as = (ops["launches"], "cudaLaunchKernel-like runtime calls") if ops["launches"] else (ops["kernels"], "kernels on the device")
-        ok = ok and 0 < launches <= 2 * bound
-        detail += f", {launches} kernel launches (counted as {seen_as}; {ops['kernels']} kernels on the device)"
-        detail += f", host {ops['host_s'] * 1e3:.1f} ms vs device {ops['device_s'] * 1e3:.1f} ms per call"
+        for kind, result in ops.items():
+            # launches as the host's runtime calls where the profiler records them, else as the
+            # kernels it saw on the device; none at all means the profiler saw nothing, not a free call
+            launches = result["launches"] or result["kernels"]
+            ok = ok and 0 < launches <= (3 * result["groups"] if kind == "auto" else 2 * bounds["torch"])
+            detail += f"; {result['backend']}: {launches} launches ({result['kernels']} kernels seen), host {result['host_s'] * 1e3:.1f} ms, device {result['device_s'] * 1e3:.1f} ms"
     else:
-        detail += f", host {ops['host_s'] * 1e3:.1f} ms per call (the CPU is the device)"
+        detail += f"; host {fused['host_s'] * 1e3:.1f} ms per call fused vs {unfused['host_s'] * 1e3:.1f} ms on the torch path (the CPU is the device)"
     report(name, ok, detail)
 
 
@@ -539,24 +685,36 @@ def check_step_cost(device: torch.device) -> None:
     )
 
 
+SECTIONS = {  # name: check(device, quick), in the order they run
+    "packing": lambda device, quick: check_packing(device),
+    "kernels": lambda device, quick: check_kernels(device),
+    "optimizers": lambda device, quick: check_optimizers(device),
+    "runs": check_runs,
+    "ranks": check_ranks,
+    "node_aware": lambda device, quick: check_node_aware(device),
+    "integrations": lambda device, quick: check_integrations(device),
+    "step_cost": lambda device, quick: check_step_cost(device),  # CUDA only: on a CPU it is `bench optim`'s own figure
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--quick", action="store_true", help="one optimizer in the run checks, BERT-Large / 16 in the ops check")
+    parser.add_argument("--only", default="", help=f"comma-separated sections to run, of {', '.join(SECTIONS)} (default: all)")
+    parser.add_argument("--skip", default="", help="comma-separated sections not to run")
     args = parser.parse_args()
+    only, skip = (set(filter(None, text.split(","))) for text in (args.only, args.skip))
+    if unknown := (only | skip) - set(SECTIONS):
+        sys.exit(f"unknown sections {', '.join(sorted(unknown))}: expected some of {', '.join(SECTIONS)}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("no CUDA device: run with --device cpu to check the script itself")
     if device.type == "cuda":
         print(f"device: {torch.cuda.get_device_name(device)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
-    check_packing(device)
-    check_optimizers(device)
-    check_runs(device, args.quick)
-    check_ranks(device, args.quick)
-    check_node_aware(device)
-    check_integrations(device)
-    if device.type == "cuda":
-        check_step_cost(device)
+    for section, check in SECTIONS.items():
+        if (not only or section in only) and section not in skip and (section != "step_cost" or device.type == "cuda"):
+            check(device, args.quick)
     print(f"{len(FAILED)} failed" if FAILED else "all passed")
     sys.exit(1 if FAILED else 0)
 

@@ -204,8 +204,9 @@ def test_ledger_totals_for_a_known_sequence():
 
 def _allocated(rank, world_size, numel, kernels):
     comm = OneBitAllReduce(numel, ledger=CommLedger(num_params=numel), kernels=kernels)
-    held = {name: getattr(comm.kernels if name not in vars(comm) else comm, name) for name in onebit_buffers(numel, world_size, kernels=kernels)}
-    return {name: tensor.numel() * tensor.element_size() for name, tensor in held.items()}
+    held = {name: tensor.numel() * tensor.element_size() for name, tensor in comm.held_buffers().items()}
+    assert held == {name: size * dtype.itemsize for name, (size, dtype) in onebit_buffers(numel, world_size, kernels=kernels).items()}
+    return held
 
 
 @pytest.mark.parametrize("world_size, kernels", [(1, "auto"), (2, "torch"), (2, "native")])

@@ -13,10 +13,11 @@ def test_gpu_check_passes_on_the_cpu():
     done = subprocess.run([sys.executable, "scripts/gpu_check.py", "--device", "cpu", "--quick"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "FAIL" not in done.stdout and "all passed" in done.stdout
-    # What can differ on a CPU: a real run, an exact resume, ranks agreeing on the 1-bit average and on
-    # 0/1 Adam's parameters (flat and node-aware), the op count, and the three integration examples where
-    # their extras are installed (SKIP where not). The six checks of a device against the CPU compare the
-    # CPU with itself here and say so: they are for a GPU; so is NCCL between GPUs.
+    # What can differ on a CPU: the native 1-bit kernels against the torch path (three shapes), a real
+    # run, an exact resume, ranks agreeing on the 1-bit average and on 0/1 Adam's parameters (flat and
+    # node-aware), the op count, and the three integration examples where their extras are installed
+    # (SKIP where not). The six checks of a device against the CPU compare the CPU with itself here and
+    # say so: they are for a GPU; so are the kernels' bandwidth and NCCL between GPUs.
     installed = {name: importlib.util.find_spec(name) is not None for name in ("transformers", "accelerate", "lightning")}
     examples = 2 * (installed["transformers"] and installed["accelerate"]) + (installed["transformers"] and installed["lightning"])
-    assert done.stdout.count("PASS") == 7 + examples and done.stdout.count("SKIP") == 7 + 3 - examples, done.stdout
+    assert done.stdout.count("PASS") == 10 + examples and done.stdout.count("SKIP") == 8 + 3 - examples, done.stdout

@@ -37,8 +37,8 @@ the optimizer step is timed. All optimizers use the same lr, betas, eps and deco
      `opt.collective`, its worker buffer `_worker` (the accumulator / worker error) and server
      buffer `_server` (the server error of this rank's chunk).
    - ours, "comm workspace": the same OneBitAllReduce's wire buffers `_send`, `_recv`,
-     `_gathered`, `_mine` and its per-block scratch (`_flags`, `_flag_bytes`, `_words`,
-     `_index`, `_tables`) and per-row server coefficients.
+     `_gathered`, `_mine` and its kernels' scratch (none for the fused kernels; on the torch path
+     per-block `_flags`, `_flag_bytes`, `_words`, `_index`, `_tables` and per-row server coefficients).
    Transient tensors made during a step (a denominator, a flat gradient) are not counted.
    At world size 1 the OneBitAllReduce is inactive (no padding, no server chunk, no byte
    buffers), so the buffers are also computed from the class's sizing rules for n = 2, 8 and 64
@@ -70,7 +70,6 @@ WARMUP_STEPS = 3  # step 0 of ours is a variance / warm-up step; the next two wa
 TARGET_LOCAL_VS_ADAMW = 1.1
 ANALYTIC_WORLD_SIZES = (1, 2, 8, 64)
 STATE_KEYS = ("_worker", "_server")  # OneBitAllReduce buffers that carry error across calls
-WORKSPACE_KEYS = ("_send", "_recv", "_gathered", "_mine", "_flags", "_flag_bytes", "_words", "_index", "_tables", "_server_coef")
 
 
 def model_shapes(params_millions: float) -> tuple[list[tuple[str, tuple[int, ...]]], dict]:
@@ -212,7 +211,7 @@ def _run(params_millions: float, repeats: int, threads: int, device: torch.devic
 
     zero_one = optimizers["ZeroOneAdam local"]
     comm = zero_one.collective
-    measured = {key: getattr(comm, key).numel() * getattr(comm, key).element_size() for key in STATE_KEYS + WORKSPACE_KEYS}
+    measured = {key: t.numel() * t.element_size() for key, t in comm.held_buffers().items()}
     analytic = [_analytic_row(numel, n, device) for n in ANALYTIC_WORLD_SIZES]
     from zoa_train.distributed import launch_local
 
@@ -306,8 +305,9 @@ def _held_bytes(opt: torch.optim.Optimizer) -> tuple[int, int]:
     workspace = 0
     comm = opt.collective
     if comm is not None:
-        state += sum(size(getattr(comm, key)) for key in STATE_KEYS)
-        workspace += sum(size(getattr(comm, key)) for key in WORKSPACE_KEYS)
+        held = comm.held_buffers()
+        state += sum(size(held[key]) for key in STATE_KEYS)
+        workspace += sum(size(t) for key, t in held.items() if key not in STATE_KEYS)
     return state, workspace
 
 
@@ -316,7 +316,7 @@ def _analytic_row(numel: int, n: int, device: torch.device) -> dict:
     OneBitAdam two (m, denominator), each plus one OneBitAllReduce of the whole model."""
     comm = onebit_allreduce_bytes(numel, n, device)
     onebit_state = sum(comm[key] for key in STATE_KEYS)
-    workspace = sum(comm[key] for key in WORKSPACE_KEYS)
+    workspace = sum(size for key, size in comm.items() if key not in STATE_KEYS)
     state = 3 * 4 * numel + onebit_state
     return {
         "world_size": n,

@@ -332,6 +332,12 @@ class OneBitAllReduce(LaidOutCollective):
         """The layout of the only buffer."""
         return self.layouts[self._only()]
 
+    def held_buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer this collective holds, by the names `onebit_buffers` sizes them by: the error
+        and wire buffers and its kernels' scratch (for memory accounting: `bench optim`)."""
+        held = {name: getattr(self, name) for name in _allocations(self.layouts, self.world_size)}
+        return held | (self.kernels.held_buffers() if self.kernels is not None else {})
+
     @property
     def bytes_per_call(self) -> int:
         """Bytes this rank sends in one call: (n-1) segments in each pass."""

@@ -75,6 +75,9 @@ class OneBitKernels(Protocol):
     def scratch(layouts, world_size: int, device: torch.device, block_size: int | None) -> dict[str, tuple[int, torch.dtype]]:
         """(elements, dtype) of each scratch buffer a collective of `layouts` gets from this backend."""
 
+    def held_buffers(self) -> dict[str, torch.Tensor]:
+        """The scratch buffers this instance holds, by the names `scratch` sizes them by."""
+
     @staticmethod
     def unavailable(device: torch.device) -> str | None:
         """Why this backend cannot run on `device` here (None: it can)."""

@@ -92,8 +92,9 @@ class Kernels:
     def __init__(self, parts: Sequence[PartViews], device: torch.device, block_size: int | None):
         self.device, self.parts = device, list(parts)
         shapes = [tuple(p.worker.shape) for p in parts]
-        for name, (size, dtype) in _scratch(shapes, device, block_size).items():
-            setattr(self, name, torch.zeros(size, dtype=dtype, device=device))
+        self._held = {name: torch.zeros(size, dtype=dtype, device=device) for name, (size, dtype) in _scratch(shapes, device, block_size).items()}
+        for name, buffer in self._held.items():
+            setattr(self, name, buffer)
         default = block_elements(shapes, device)
         self._coefs, self._blocks, self._padding, coef = [], [], [], 0
         for p in parts:
@@ -111,6 +112,9 @@ class Kernels:
     @staticmethod
     def unavailable(device: torch.device) -> str | None:
         return None
+
+    def held_buffers(self) -> dict[str, torch.Tensor]:
+        return dict(self._held)
 
     @property
     def blocks_per_call(self) -> int:

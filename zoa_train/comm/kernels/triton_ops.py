@@ -155,6 +155,9 @@ class Kernels:
     def scratch(layouts, world_size: int, device: torch.device, block_size: int | None) -> dict[str, tuple[int, torch.dtype]]:
         return {}
 
+    def held_buffers(self) -> dict[str, torch.Tensor]:
+        return {}
+
     @staticmethod
     def unavailable(device: torch.device) -> str | None:
         if triton is None:
