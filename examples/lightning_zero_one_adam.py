@@ -69,6 +69,10 @@ class TinyGPT2(pl.LightningModule):
         (tokens,) = batch
         self.log("val_loss", self.model(input_ids=tokens, labels=tokens).loss, sync_dist=True)
 
+    def on_train_end(self):
+        # Lightning moves the module back to the CPU when it tears down: say where it trained.
+        print(f"rank {self.global_rank}: trained on {self.device.type}", flush=True)
+
     def configure_optimizers(self):
         return OPTIMIZERS[self.hparams.optimizer](self.parameters(), self.hparams.lr)
 

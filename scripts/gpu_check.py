@@ -411,7 +411,8 @@ def ops_on_rank(device: torch.device, quick: bool) -> dict:
             call()
             seconds.append(time.perf_counter() - start)
         result = {"elements": numel, "tensors": sum(map(len, groups)), "groups": len(groups), "backend": type(comm.kernels).__module__.rsplit(".", 1)[-1],
-                  "blocks": getattr(comm.kernels, "blocks_per_call", 0), "ops": sum(count_ops(call).values()), "host_s": statistics.median(seconds)}  # fmt: skip
+                  "blocks": getattr(comm.kernels, "blocks_per_call", 0), "names": count_ops(call), "host_s": statistics.median(seconds)}  # fmt: skip
+        result["ops"] = sum(result["names"].values())
         if device.type == "cuda":
             result.update(cuda_launches(call))
         results[kernels] = result
@@ -524,6 +525,8 @@ def report_ops(name: str, device: torch.device, ops: dict) -> None:
     ok = fused["backend"] != "torch_ops" and all(ops[k]["ops"] <= bounds[k] for k in bounds)
     detail = (f"{fused['backend']} kernels {fused['ops']} ops per call (bound {bounds['auto']}), torch path {unfused['ops']} (bound {bounds['torch']}, "
               f"{unfused['blocks']} blocks); {fused['tensors']} tensors, {fused['elements']:,} elements")  # fmt: skip
+    if fused["ops"] > bounds["auto"]:
+        detail += f"; fused call's ops: {fused['names']}"
     if device.type == "cuda":
         for kind, result in ops.items():
             # launches as the host's runtime calls where the profiler records them, else as the
@@ -543,7 +546,7 @@ def node_aware_rank(rank: int, tmp: str, device_name: str, backend: str, world: 
     """One rank of the node-aware checks: the sync against the CPU's (Gloo) or alone (NCCL), then
     ZeroOneAdam through it (Gloo)."""
     device = torch.device(device_name if backend == "gloo" else f"cuda:{rank}")
-    if device.type == "cuda":
+    if device.index is not None:  # NCCL: a GPU per rank (Gloo ranks share the current one)
         torch.cuda.set_device(device)
     torch.set_num_threads(threads_per_rank(world))
     init_process_group(backend, timeout_s=120, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
@@ -639,7 +642,7 @@ def integration_run(example: str, device: torch.device, tmp: str) -> tuple[subpr
     if example.startswith("lightning"):  # CSVLogger's step rows; the parameters as the example saved them
         with open(f"{out}/metrics.csv") as f:
             losses = [float(row["loss"]) for row in csv.DictReader(f) if row.get("loss")]
-        model_device = next(iter(torch.load(f"{out}/rank0.pt", weights_only=True).values())).device.type
+        model_device = (re.findall(r"trained on (\w+)", done.stdout) or ["?"])[0]  # Lightning moves it to the CPU at teardown
     else:  # Trainer's step logs or the accelerate loop's lines; the device the example names at the end
         pattern = r"'loss': '([^']+)'" if example.startswith("hf") else r"^step \d+ loss (\S+)"
         losses = [float(v) for v in re.findall(pattern, done.stdout, re.M)]

@@ -7,6 +7,7 @@ Cluster environments are recognised from their variables:
 """
 
 import contextlib
+import inspect
 import multiprocessing
 import os
 import re
@@ -151,7 +152,7 @@ def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS} if in_main_thread else {}
 
-    config = LaunchConfig(
+    options = dict(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc,
@@ -165,6 +166,10 @@ def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
         signals_to_handle="SIGINT,SIGHUP,SIGQUIT",
         shutdown_timeout=STOP_GRACE_S,
     )
+    # Releases before torch 2.12 lack the last two (torch elastic then handles its default signals and
+    # waits its own shutdown time): the launch works without them.
+    known = set(inspect.signature(LaunchConfig).parameters)
+    config = LaunchConfig(**{key: value for key, value in options.items() if key in known})
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     # Threads that Gloo starts run part of a step too (the callbacks of DDP comm hooks: PowerSGD's matrix

@@ -23,7 +23,6 @@ try:
 except ImportError:  # torch without Triton (some CPU-only builds): the torch path runs
     triton = None
 
-_FLT_MAX = 3.4028234663852886e38
 PACK_BLOCK = 8192  # elements per program of pack_signs / unpack_signs
 
 
@@ -32,6 +31,7 @@ def _warps(block: int) -> int:
 
 
 if triton is not None:
+    _FLT_MAX = tl.constexpr(3.4028234663852886e38)  # |e| <= this: finite (false for inf and NaN)
 
     @triton.jit
     def _compress_row(y, cols, row, valid, norm, signs_ptr, scale_ptr, BLOCK: tl.constexpr):
@@ -48,6 +48,14 @@ if triton is not None:
         tl.store(signs_ptr + q, tl.sum(bits, axis=1).to(tl.uint8), mask=q < row // 8)
         tl.store(scale_ptr, s)
         return e
+
+    @triton.jit
+    def _flags(bytes_ptr, row, BLOCK: tl.constexpr):
+        """The BLOCK bits of a row's packed signs (past `row`: zero), as int32 0/1: each byte
+        loaded once and spread over its 8 elements."""
+        q = tl.arange(0, BLOCK // 8)
+        byte = tl.load(bytes_ptr + q, mask=q < row // 8, other=0).to(tl.int32)
+        return tl.reshape((byte[:, None] >> tl.arange(0, 8)[None, :]) & 1, (BLOCK,))
 
     @triton.jit
     def _worker_kernel(
@@ -91,8 +99,7 @@ if triton is not None:
         for i in range(sources):
             coef = tl.load(recv_scales_ptr + i * scale_stride + r) * factor
             coef_sum += coef
-            byte = tl.load(recv_signs_ptr + i * sign_stride + r * (row // 8) + cols // 8, mask=inside, other=0)
-            c += ((byte.to(tl.int32) >> (cols % 8)) & 1).to(tl.float32) * coef
+            c += _flags(recv_signs_ptr + i * sign_stride + r * (row // 8), row, BLOCK).to(tl.float32) * coef
         c -= coef_sum * 0.5
         valid = tl.load(valid_ptr + r)
         y = tl.where(cols < valid, c, 0.0)
@@ -113,8 +120,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         inside = cols < row
         s = tl.load(scales_ptr + chunk * scale_stride + i)
-        byte = tl.load(signs_ptr + chunk.to(tl.int64) * sign_stride + i * (row // 8) + cols // 8, mask=inside, other=0)
-        value = tl.where(((byte.to(tl.int32) >> (cols % 8)) & 1) != 0, s, -s)
+        value = tl.where(_flags(signs_ptr + chunk.to(tl.int64) * sign_stride + i * (row // 8), row, BLOCK) != 0, s, -s)
         value = tl.where(cols < tl.load(valid_ptr + r), value, 0.0)
         if out_ptr.dtype.element_ty == tl.bfloat16:
             value = _to_bfloat16(value)
