@@ -500,7 +500,9 @@ def bench_comm(
         print(json.dumps(result))
         return
     table = Table(title=f"fp32 allreduce vs 1-bit allreduce, {nproc} ranks")
-    for name in ("elements", "fp32 s", "bf16 s", "1-bit s", "speed-up", "err 1 call", f"err mean {FEEDBACK_CALLS}", "pack+unpack GB/s", "add GB/s", "ratio"):
+    kernels = rows[0]["kernels"] if rows else "?"
+    for name in ("elements", "fp32 s", "bf16 s", f"1-bit ({kernels}) s", "1-bit/fp32", "torch path s", "torch path/fp32", "err 1 call",
+                 f"err mean {FEEDBACK_CALLS}", "pack+unpack GB/s", "add GB/s", "ratio"):  # fmt: skip
         table.add_column(name, justify="right")
     for r in rows:
         table.add_row(
@@ -508,7 +510,9 @@ def bench_comm(
             f"{r['allreduce_fp32_s']:.4f}",
             f"{r['allreduce_bf16_s']:.4f}",
             f"{r['onebit_s']:.4f}",
-            f"{r['speedup']:.2f}x",
+            f"{r['onebit_vs_fp32']:.2f}x",
+            f"{r['onebit_torch_path_s']:.4f}",
+            f"{r['onebit_torch_path_vs_fp32']:.2f}x",
             f"{r['rel_error_one_call']:.3f}",
             f"{r[f'rel_error_mean_of_{FEEDBACK_CALLS}']:.4f}",
             f"{r['pack_unpack_gbps']:.1f}",

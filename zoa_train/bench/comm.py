@@ -3,7 +3,9 @@
 The bf16 allreduce of the same elements is timed too: it is what the recipes' full-precision rounds
 (DDP's bf16 hook, `optimizer.allreduce_dtype: bf16`) send, and what `plan` prices them at.
 
-Each size reports the median time of each collective, their ratio, the relative L2 error of one
+The 1-bit allreduce is timed with the kernels "auto" picks (fused where the device has them) and
+on the torch path, side by side. Each size reports the median time of each collective, their
+ratios, the relative L2 error of one
 1-bit call and of the running mean of 50 calls against the exact mean, and the memory traffic
 of packing plus unpacking next to a plain torch.add of the same size (the bandwidth limit here).
 
@@ -97,6 +99,7 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_nod
     rows = []
     for numel in sizes:
         comm = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
+        unfused = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel), kernels="torch")
         g = torch.Generator().manual_seed(1234 + rank)
         x = torch.zeros(comm.layout.padded, device=device)  # a buffer in the layout: padding at the end
         x[:numel] = torch.randn(numel, generator=g).to(device)
@@ -117,12 +120,13 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_nod
             (reset, lambda work=work: dist.all_reduce(work)),
             (reset, lambda work=work, comm=comm: comm.op(work)),
             (reset_bf16, lambda work=work_bf16: dist.all_reduce(work)),
+            (reset, lambda work=work, comm=unfused: comm.op(work)),
         ]
         if nodes is not None:
             node_aware = HierarchicalOneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel), nodes=nodes)
             pairs.append((reset, lambda work=work, comm=node_aware: comm.op(work)))  # the same layout as the flat call's
         _median_times(pairs, 1, device)  # warm-up
-        fp32_s, onebit_s, bf16_s, *node_aware_s = _median_times(pairs, repeats, device)
+        fp32_s, onebit_s, bf16_s, unfused_s, *node_aware_s = _median_times(pairs, repeats, device)
 
         feedback = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
         running = torch.zeros_like(x)
@@ -144,6 +148,10 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_nod
                 "allreduce_bf16_s": bf16_s,
                 "onebit_s": onebit_s,
                 "speedup": fp32_s / onebit_s,
+                "kernels": type(comm.kernels).__module__.rsplit(".", 1)[-1].removesuffix("_ops"),
+                "onebit_vs_fp32": onebit_s / fp32_s,
+                "onebit_torch_path_s": unfused_s,
+                "onebit_torch_path_vs_fp32": unfused_s / fp32_s,
                 "rel_error_one_call": one_call_error,
                 f"rel_error_mean_of_{FEEDBACK_CALLS}": feedback_error,
                 "pack_unpack_gbps": codec_gbps,
@@ -193,7 +201,9 @@ def bert_large_groups() -> list[list[int]]:
 
 def count_ops(fn) -> dict[str, int]:
     """Torch ops that fn() runs directly (not inside other ops), by name, view ops left out: on
-    an accelerator each is about one kernel launch."""
+    an accelerator each is about one kernel launch. Only namespaced ops count (aten::, c10d::,
+    zoa:: for the fused 1-bit passes): with CUDA the profiler also lists runtime calls
+    (cudaEventRecord, cudaStreamSynchronize), which are not ops."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -202,7 +212,7 @@ def count_ops(fn) -> dict[str, int]:
     (counted,) = [e for e in prof.events() if e.name == "counted"]
     ops: dict[str, int] = {}
     for child in counted.cpu_children:
-        if child.name not in _VIEW_OPS:
+        if "::" in child.name and child.name not in _VIEW_OPS:
             ops[child.name] = ops.get(child.name, 0) + 1
     return ops
 
