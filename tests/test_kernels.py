@@ -15,9 +15,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from zoa_train.comm import pack_signs, unpack_signs
+from zoa_train.comm import ClusterCollective, CommLedger, pack_signs, unpack_signs
 from zoa_train.comm.kernels import PartViews, backend, select_kernels
 from zoa_train.comm.packing import pack_flags
+from zoa_train.errors import UserError
 
 # Triton's interpreter computes in numpy, which warns where a row holds an inf or NaN (on purpose).
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -201,6 +202,12 @@ def test_auto_takes_the_native_kernels_on_this_cpu_and_the_public_codec_uses_the
     assert select_kernels("auto", "cpu") is backend("native")
     x = torch.randn(1001)
     assert torch.equal(unpack_signs(pack_signs(x), x.numel(), 2.0), torch.where(x >= 0, 2.0, -2.0))
+
+
+def test_a_recipe_naming_kernels_that_cannot_run_is_refused_in_one_sentence(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(UserError, match=r"^comm.kernels: the triton 1-bit kernels cannot run on cpu here: .*\.$"):
+        ClusterCollective("flat", kernels="triton")([[10, 20]], group=None, device=torch.device("cpu"), ledger=CommLedger(num_params=30))
 
 
 def test_a_backend_that_cannot_run_is_refused_by_name_and_skipped_by_auto(monkeypatch):

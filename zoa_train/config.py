@@ -19,6 +19,7 @@ from typing import Literal
 import yaml
 
 from zoa_train import checks
+from zoa_train.comm.kernels import CHOICES as KERNEL_CHOICES
 from zoa_train.comm.topology import TOPOLOGIES
 from zoa_train.errors import UserError
 from zoa_train.models.builders import MODEL_PRESETS, ModelConfig, model_shape
@@ -115,6 +116,9 @@ class CommConfig:
     # hierarchical on several nodes of several ranks each, all of one size, flat otherwise.
     topology: Literal[TOPOLOGIES] = "auto"
     ranks_per_node: int = 0  # 0: nodes found by hostname; G: ranks r*G..r*G+G-1 are node r (emulated nodes)
+    # The 1-bit call's compute passes (zoa_train/comm/kernels): auto is fused (Triton on GPUs, C++ on
+    # CPUs) where it runs, else torch ops; the choice changes speed, not the wire format.
+    kernels: Literal[KERNEL_CHOICES] = "auto"
 
 
 @dataclass

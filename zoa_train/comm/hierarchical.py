@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zoa_train.comm.collectives import default_ledger, group_size_rank, ring_allreduce_bytes
+from zoa_train.comm.kernels import select_kernels
 from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.onebit import (
     SCALE_ROW,
@@ -34,6 +35,7 @@ from zoa_train.comm.onebit import (
     onebit_layout,
 )
 from zoa_train.comm.topology import NodeGroups, choose, describe, discover_nodes, node_groups
+from zoa_train.errors import UserError
 
 # torch 2.14 names it all_gather_single and deprecates all_gather_into_tensor; older releases have only that.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -60,8 +62,8 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
     `functools.partial(HierarchicalOneBitAllReduce, nodes=node_groups(...))`.
 
     `intra_dtype`: what the reduce-scatter inside the node sends (fp32 or bf16; the sum is fp32); the
-    all-gather is fp32, so every rank holds the shard owners' exact values. `block_size` and
-    `scale_row` are the flat allreduce's. `inter`: the collective between nodes (default
+    all-gather is fp32, so every rank holds the shard owners' exact values. `block_size`,
+    `scale_row` and `kernels` are the flat allreduce's. `inter`: the collective between nodes (default
     OneBitAllReduce), called as `inter(None, group=, device=, ledger=, layouts=)` with the shards'
     layouts; a test passes an exact one to check the composition alone. The accumulators are a buffer of their own (the error lives
     in the shard's flat allreduce), empty between calls.
@@ -79,6 +81,7 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         block_size: int | None = None,
         scale_row: int = SCALE_ROW,
         inter=None,
+        kernels: str = "auto",
     ):
         self.world_size, self.rank = group_size_rank(group)
         if self.world_size != nodes.world_size:
@@ -108,7 +111,7 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         self._inter = None
         if n > 1 and active:
             shards = [shard_layout(l, nodes.local_rank, g) for l in active]
-            inter = inter or functools.partial(OneBitAllReduce, block_size=block_size, scale_row=scale_row)
+            inter = inter or functools.partial(OneBitAllReduce, block_size=block_size, scale_row=scale_row, kernels=kernels)
             self._inter = inter(None, group=nodes.inter, device=self.device, ledger=self.ledger, layouts=shards)
 
     @property
@@ -243,8 +246,8 @@ class ClusterCollective:
     the flat or the node-aware allreduce as `topology` ("auto", "flat", "hierarchical") says.
     `chosen` then describes what it built, for the run's log."""
 
-    def __init__(self, topology: str = "auto", ranks_per_node: int = 0, intra_dtype: torch.dtype = torch.float32):
-        self.topology, self.ranks_per_node, self.intra_dtype = topology, ranks_per_node, intra_dtype
+    def __init__(self, topology: str = "auto", ranks_per_node: int = 0, intra_dtype: torch.dtype = torch.float32, kernels: str = "auto"):
+        self.topology, self.ranks_per_node, self.intra_dtype, self.kernels = topology, ranks_per_node, intra_dtype, kernels
         self.chosen: str | None = None
         self.fell_back = False  # auto on an uneven layout: flat
         self._groups: dict[tuple, NodeGroups] = {}
@@ -257,10 +260,14 @@ class ClusterCollective:
         kind = choose(self.topology, nodes) if world > 1 else "flat"  # one process: nothing is sent either way
         self.fell_back = self.topology == "auto" and kind == "flat" and len({len(n) for n in nodes}) > 1
         self.chosen = f"{kind} 1-bit sync, {describe(nodes)}"
+        try:
+            select_kernels(self.kernels, collective_device(device, group))
+        except ValueError as error:
+            raise UserError(f"comm.kernels: {error}.") from None
         if kind == "flat":
-            return OneBitAllReduce(sizes, group, device, ledger)
+            return OneBitAllReduce(sizes, group, device, ledger, kernels=self.kernels)
         key = tuple(map(tuple, nodes))
         if key not in self._groups:
             # the mesh's device type follows the backend: Gloo ranks may share a GPU (gpu_check does)
             self._groups[key] = node_groups(nodes, "cuda" if "nccl" in str(dist.get_backend()) else "cpu")
-        return HierarchicalOneBitAllReduce(sizes, group, device, ledger, nodes=self._groups[key], intra_dtype=self.intra_dtype)
+        return HierarchicalOneBitAllReduce(sizes, group, device, ledger, nodes=self._groups[key], intra_dtype=self.intra_dtype, kernels=self.kernels)

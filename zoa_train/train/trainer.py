@@ -179,7 +179,7 @@ class Trainer:
         # bf16 full-precision rounds: the node-aware sync's reduce-scatter inside the node in bf16 too;
         # fp16 would need the scale that flat fp16 rounds take, so it (and fp32) stays fp32 there.
         intra_dtype = torch.bfloat16 if recipe.optimizer.allreduce_dtype == "bf16" else torch.float32
-        sync = ClusterCollective(recipe.comm.topology, recipe.comm.ranks_per_node, intra_dtype)
+        sync = ClusterCollective(recipe.comm.topology, recipe.comm.ranks_per_node, intra_dtype, recipe.comm.kernels)
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync)
         if sync.chosen and self.is_main:
             if sync.chosen.startswith("hierarchical"):  # flat on one node is what everyone expects: not said
