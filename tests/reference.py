@@ -5,7 +5,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from zoa_train.comm import onebit_layout
+from zoa_train.comm import allreduce, onebit_layout
 
 
 def sign(x: torch.Tensor) -> torch.Tensor:
@@ -93,7 +93,7 @@ class ExactAllReduce:
     shards' `layouts`, that sync's composition)."""
 
     def __init__(self, sizes, *, group=None, device=None, ledger=None, layouts=None):
-        self.group = group
+        self.group, self.ledger = group, ledger
         self.layouts = layouts if layouts is not None else [onebit_layout(s, 1) for s in sizes]
         self.accumulators = [torch.zeros(l.padded, device=device) for l in self.layouts]
 
@@ -109,6 +109,9 @@ class ExactAllReduce:
         for t, acc in zip(tensors, self.accumulators):
             acc.copy_(t)
         return self.exchange(tensors)
+
+    def allreduce(self, tensor, comm_dtype=None, elements=None, in_step=True):  # the flat full-precision round
+        return allreduce(tensor, group=self.group, ledger=self.ledger, comm_dtype=comm_dtype, elements=elements, in_step=in_step)
 
     def state_dicts(self):
         return [{"accumulator": acc.clone()} for acc in self.accumulators]

@@ -123,6 +123,18 @@ def _cases(rank, world):
     except TopologyChanged as e:
         results["other shape refuses"] = str(e)
 
+    # Full-precision rounds, node-aware (fp32 and bf16 on the wire) and flat, on a tensor of odd length.
+    g = torch.Generator().manual_seed(rank)
+    values = torch.randn(1001, generator=g) * (rank + 1)
+    fp = {}
+    for name, collective, dtype in (("node-aware", HierarchicalOneBitAllReduce(SIZES, nodes=two_by_two, ledger=ledger()), None),
+                                    ("node-aware bf16", HierarchicalOneBitAllReduce(SIZES, nodes=two_by_two, ledger=ledger()), torch.bfloat16),
+                                    ("flat", OneBitAllReduce(SIZES, ledger=ledger()), None)):  # fmt: skip
+        out = collective.allreduce(values.clone(), comm_dtype=dtype, elements=1000)
+        step = collective.ledger.end_step()
+        fp[name] = out, (step.bits_per_param, step.bytes_sent, step.intra_bits_per_param, step.intra_bytes_sent)
+    results["fp"] = fp, _exact_mean([values])[0]
+
     # ClusterCollective: nodes by recipe override; auto picks hierarchical on 2 x 2.
     factory = ClusterCollective("auto", ranks_per_node=2)
     built = factory(SIZES, group=None, device=torch.device("cpu"), ledger=ledger())
@@ -225,6 +237,25 @@ def test_between_nodes_a_rank_sends_a_node_share_of_the_flat_bytes(ranks):
     assert by_kind["intra_allreduce_float32"]["bytes_sent"] == 3 * intra_bytes and by_kind["intra_allreduce_float32"]["calls"] == 2 * 3
     # each of a node's ranks compresses its shard: together the whole buffer, in each of the 3 calls
     assert sum(ranks[r]["2x2 ledger"][0]["onebit_allreduce"]["elements"] for r in (0, 1)) == 3 * NUMEL
+
+
+def test_full_precision_rounds_are_node_aware_exact_and_the_same_on_every_rank(ranks):
+    exact = ranks[0]["fp"][1]
+    for name, tolerance in (("node-aware", 1e-6), ("node-aware bf16", 1e-2), ("flat", 1e-6)):
+        outs = [r["fp"][0][name][0] for r in ranks]
+        assert all(torch.equal(out, outs[0]) for out in outs), f"{name}: the ranks differ"
+        torch.testing.assert_close(outs[0], exact, rtol=tolerance, atol=tolerance)
+    # Over the slow link a node-aware round sends each rank's half of the buffer to the other node:
+    # 32 bits per parameter for half the parameters, and a ring of 2 ranks' bytes on the shard; the
+    # flat ring of 4 ranks sends 32 bits per parameter and 2*3/4 of the buffer, part of it off the node.
+    shard = -(-1001 // 2)
+    for r, rank in enumerate(ranks):
+        bits, sent, intra_bits, intra_sent = rank["fp"][0]["node-aware"][1]
+        owned = shard if r % 2 == 0 else 1001 - shard
+        assert bits == pytest.approx(32 * (1000 * owned // 1001) / NUMEL) and sent == 2 * 1 * shard * 4 // 2
+        assert intra_bits == pytest.approx(32 * 1000 / NUMEL) and intra_sent == shard * (4 + 4)
+        assert rank["fp"][0]["node-aware bf16"][1][1] == 2 * 1 * shard * 2 // 2  # bf16 between nodes
+        assert rank["fp"][0]["flat"][1][:2] == (pytest.approx(32 * 1000 / NUMEL), 2 * 3 * 1001 * 4 // 4)
 
 
 def test_cluster_collective_builds_what_the_recipe_says(ranks):

@@ -260,7 +260,10 @@ def test_two_nodes_of_two_ranks_by_hand():
     all-gather as many, NCCL's ring 3 segments (108 bytes). 3 messages per pass.
     Node-aware: a shard of 500 among 2 ranks, a row of 256 again (36 bytes): each local rank sends 1
     segment per pass off the node, the node's 2 local ranks 72 bytes per pass over the node's link
-    at once (each at half its rate); 1 message per pass. Inside the node, 500 fp32 out and 500 back."""
+    at once (each at half its rate); 1 message per pass. Inside the node, 500 fp32 out and 500 back.
+    Node-aware full precision: the same 500 out and back inside the node, and a ring of 2 ranks over
+    each shard between the nodes: 2*1*500*4/2 = 2,000 bytes per rank, 4,000 over the node's link
+    (the node's 2 local ranks at half its rate each), 2 messages."""
     gloo = small_plan(world_size=4, ranks_per_node=2, backend="gloo", steps=2)  # 1-bit Adam: an fp32 step, a 1-bit one
     nccl = small_plan(world_size=4, ranks_per_node=2, backend="nccl", steps=2)
     fp_time = 6e-3 + 6000 / 1e6
@@ -270,9 +273,9 @@ def test_two_nodes_of_two_ranks_by_hand():
     assert onebit["inter_bytes_per_node"] == 6000 + 288 and onebit["bytes_per_rank"] == 6000 + 6 * 36
     assert onebit["comm_time_s"] == pytest.approx(fp_time + 2 * (3e-3 + 144 / 1e6))
     assert nccl["onebit_adam"]["inter_bytes_per_node"] == 6000 + 144 + 108
-    assert node_aware["inter_bytes_per_node"] - 6000 == 144 == (onebit["inter_bytes_per_node"] - 6000) / 2  # 1/G of flat's
-    assert node_aware["bytes_per_rank"] == 6000 + 72 and node_aware["intra_bytes_per_rank"] == 500 * 4 + 500 * 4
-    assert node_aware["comm_time_s"] == pytest.approx(fp_time + 2 * (1e-3 + 72 / 1e6))
+    assert node_aware["inter_bytes_per_node"] - 4000 == 144 == (onebit["inter_bytes_per_node"] - 6000) / 2  # 1/G of flat's
+    assert node_aware["bytes_per_rank"] == 2000 + 72 and node_aware["intra_bytes_per_rank"] == 2 * (500 * 4 + 500 * 4)
+    assert node_aware["comm_time_s"] == pytest.approx(2e-3 + 2000 / 5e5 + 2 * (1e-3 + 72 / 1e6))
     assert "hierarchical" not in adam and "hierarchical" not in small_plan(world_size=4, ranks_per_node=4)["onebit_adam"]
 
 
@@ -280,9 +283,8 @@ def test_a_finite_intra_node_link_costs_the_node_aware_call_its_full_precision()
     args = dict(world_size=4, ranks_per_node=2, steps=2, latency_s=0.0)
     free = small_plan(**args)["onebit_adam"]["hierarchical"]["comm_time_s"]
     limited = small_plan(**args, intra_bandwidth_bytes_per_s=1e5)["onebit_adam"]["hierarchical"]["comm_time_s"]
-    # The 1-bit call: 500 fp32 from each of the node's 2 ranks, out and back. The fp32 step's ring: its
-    # hop inside the node (6,000 bytes) now takes longer than the node's link.
-    assert limited == pytest.approx(free + 2 * (2 * 500 * 4 / 1e5) + (6000 / 1e5 - 6000 / 1e6))
+    # The 1-bit call and the node-aware fp32 step alike: 500 fp32 from each of the node's 2 ranks, out and back.
+    assert limited == pytest.approx(free + 2 * 2 * (2 * 500 * 4 / 1e5))
 
 
 def test_ddp_overlaps_all_but_its_last_bucket_with_backward():
@@ -316,7 +318,8 @@ def test_the_reduction_rate_prices_the_elements_each_rank_sends_in_full_precisio
     """Besides its transfer, a full-precision collective costs the elements a rank sends / reduce_rate:
     a ring on 2 ranks sends the 1,000 elements once (every fp32 step of the self-syncing optimizers,
     DDP's one exposed bucket), on 4 ranks 2 * 3/4 of them; the node-aware call's part inside a node of
-    2 sends its 500-element shard out and back; the flat 1-bit call pays nothing of it."""
+    2 sends its 500-element shard out and back; the node-aware full-precision round the same inside the
+    node and its shard once among the 2 nodes; the flat 1-bit call pays nothing of it."""
     costs, free = StepCosts(0.1, reduce_rate=1e5), StepCosts(0.1)
     fast, slow = small_plan(costs=free), small_plan(costs=costs)
     for name, fp_steps in (("adam", 3), ("onebit_adam", 1), ("zero_one_adam", 1)):
@@ -324,7 +327,7 @@ def test_the_reduction_rate_prices_the_elements_each_rank_sends_in_full_precisio
     args = dict(world_size=4, ranks_per_node=2, steps=2)  # 1-bit Adam: an fp32 step, then a 1-bit one
     fast, slow = small_plan(**args, costs=free)["onebit_adam"], small_plan(**args, costs=costs)["onebit_adam"]
     assert slow["total_time_s"] == pytest.approx(fast["total_time_s"] + 1500 / 1e5)
-    assert slow["hierarchical"]["total_time_s"] == pytest.approx(fast["hierarchical"]["total_time_s"] + 1500 / 1e5 + 1000 / 1e5)
+    assert slow["hierarchical"]["total_time_s"] == pytest.approx(fast["hierarchical"]["total_time_s"] + (500 + 500) / 1e5 + 1000 / 1e5)
     with pytest.raises(UserError, match="reduction rate"):
         small_plan(costs=StepCosts(0.1, reduce_rate=0.0))
 

@@ -9,6 +9,8 @@ G ranks (docs/algorithm.md, "Node-aware sync"):
      ranks of local rank g, one per node, with its error buffers: the worker error covers the shard
      (1/G of the buffer), the server error 1/(G*N);
   3. inside the node, an fp32 all-gather of the shards.
+The full-precision rounds (`allreduce`: variance steps, 1-bit Adam's warm-up, BatchNorm statistics)
+take the same three steps with a full-precision allreduce of the shard between nodes.
 Every rank ends with the same average: each shard is averaged once, by the ranks that own it,
 and copied to the others. A buffer's layout is the flat layout on G*N ranks, so its shards are
 whole chunks, its scale rows still follow the tensors, and optimizer state in it is the same as
@@ -21,7 +23,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from zoa_train.comm.collectives import default_ledger, group_size_rank, ring_allreduce_bytes
+from zoa_train.comm.collectives import allreduce, default_ledger, group_size_rank, ring_allreduce_bytes
 from zoa_train.comm.kernels import select_kernels
 from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.onebit import (
@@ -83,6 +85,7 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         inter=None,
         kernels: str = "auto",
     ):
+        self.group = group
         self.world_size, self.rank = group_size_rank(group)
         if self.world_size != nodes.world_size:
             raise ValueError(f"the node groups span {nodes.world_size} ranks and the process group {self.world_size}")
@@ -158,6 +161,44 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
                 o.copy_(acc)
             self._pending.zero_()
         return out
+
+    def allreduce(self, tensor: torch.Tensor, comm_dtype: torch.dtype | None = None, elements: int | None = None, in_step: bool = True) -> torch.Tensor:
+        """Average `tensor` in place in full precision, node-aware: a reduce-scatter inside the node
+        (an all-to-all in `intra_dtype`, or bf16 where `comm_dtype` is, summed in fp32), an allreduce
+        of this rank's shard among the ranks that hold it on the other nodes (in `comm_dtype`, as a
+        flat round would send), and an fp32 all-gather inside the node. A node sends 1/G of what a
+        flat allreduce sends over its link; every rank ends with the shard owners' values, so all
+        agree exactly. The ledger counts the shard on the slow link and the rest as "intra"."""
+        g, n = self.nodes.ranks_per_node, self.nodes.nodes
+        if self.world_size < 2 or g == 1 or n == 1:  # one rank a node, or one node: the flat ring is node-aware already
+            return allreduce(tensor, group=self.group, ledger=self.ledger, comm_dtype=comm_dtype, elements=elements, in_step=in_step)
+        flat = tensor.view(-1)
+        numel = flat.numel()
+        elements = numel if elements is None else elements
+        shard = -(-numel // g)
+        intra = torch.bfloat16 if comm_dtype == torch.bfloat16 else self.intra_dtype
+        send = torch.zeros(g * shard, dtype=intra, device=flat.device)
+        send[:numel].copy_(flat)
+        received = torch.empty_like(send)
+        dist.all_to_all_single(received, send, group=self.nodes.intra)
+        mine = torch.sum(received.view(g, shard), dim=0, dtype=torch.float32)
+        owned = min(shard, max(0, numel - self.nodes.local_rank * shard))  # this shard's part of the tensor
+        allreduce(mine, group=self.nodes.inter, ledger=self.ledger, comm_dtype=comm_dtype, elements=elements * owned // numel, in_step=in_step)
+        mine.div_(g)  # the nodes' mean of the node sums, over the node's ranks: the mean of all
+        gathered = torch.empty(g * shard, dtype=torch.float32, device=flat.device)
+        _all_gather(gathered, mine, group=self.nodes.intra)
+        flat.copy_(gathered[:numel])
+        bits = torch.finfo(intra).bits
+        self.ledger.record(
+            f"intra_allreduce_{str(intra).removeprefix('torch.')}",
+            payload_bits=(bits + 32) // 2,
+            elements=elements,
+            bytes_sent=(g - 1) * shard * (bits // 8 + 4),
+            calls=2,
+            in_step=in_step,
+            link="intra",
+        )
+        return tensor
 
     def _pieces(self, flat: torch.Tensor):
         """(buffer, its (G, shard) view in a (G, all shards) tensor `flat`) for every active buffer."""

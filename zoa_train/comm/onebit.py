@@ -32,7 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from zoa_train.comm.collectives import default_ledger, group_size_rank
+from zoa_train.comm.collectives import allreduce, default_ledger, group_size_rank
 from zoa_train.comm.kernels import PartViews, select_kernels
 from zoa_train.comm.ledger import CommLedger
 
@@ -179,8 +179,9 @@ def _group_device(group) -> torch.device:
 
 class LaidOutCollective:
     """What a collective of buffers in 1-bit layouts does the same whatever its topology: `op` on
-    buffers in the layouts or packed, and moving saved buffers between layouts. A subclass sets
-    `layouts`, `device`, `world_size`, `scale_row` and `_scratch` (a dict) and defines `exchange`."""
+    buffers in the layouts or packed, the full-precision `allreduce`, and moving saved buffers
+    between layouts. A subclass sets `group`, `ledger`, `layouts`, `device`, `world_size`,
+    `scale_row` and `_scratch` (a dict) and defines `exchange`."""
 
     def op(self, tensor: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor | list[torch.Tensor]:
         """Average `tensor` in place over the group, error-compensated, and return it; a list of
@@ -205,6 +206,11 @@ class LaidOutCollective:
             if t.numel() != buffer.numel():
                 torch._foreach_copy_(list(t.view(-1).split(self.layouts[i].sizes)), self._views(buffer, i))
         return tensor
+
+    def allreduce(self, tensor: torch.Tensor, comm_dtype: torch.dtype | None = None, elements: int | None = None, in_step: bool = True) -> torch.Tensor:
+        """Average `tensor` in place in full precision over the group (see the Collective protocol):
+        here a flat allreduce; the node-aware collective overrides it."""
+        return allreduce(tensor, group=self.group, ledger=self.ledger, comm_dtype=comm_dtype, elements=elements, in_step=in_step)
 
     def _laid_out(self, packed: torch.Tensor, index: int) -> torch.Tensor:
         """`packed` (buffer `index`'s tensors back to back) copied into a padded scratch buffer in its layout."""

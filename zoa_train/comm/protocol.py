@@ -37,6 +37,11 @@ class Collective(Protocol):
     def op(self, tensors: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
         """Average `tensors` (one buffer per group, in its layout) in place."""
 
+    def allreduce(self, tensor: torch.Tensor, comm_dtype: torch.dtype | None = None, elements: int | None = None, in_step: bool = True) -> torch.Tensor:
+        """Average `tensor` (contiguous, any length) in place in full precision over the same ranks and
+        topology, recorded in the ledger as zoa_train.comm.allreduce records: the rounds that are not
+        1-bit (variance steps, 1-bit Adam's warm-up, BatchNorm statistics)."""
+
     def state_dicts(self) -> list[dict]:
         """This rank's own state (error buffers), one entry per group."""
 

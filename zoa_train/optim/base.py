@@ -212,7 +212,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             return
         with torch.no_grad():
             flat = torch.cat([t.reshape(-1) for t in self._averaged])
-            allreduce(flat, group=self.process_group, ledger=self.ledger, in_step=in_step)
+            self._full_precision(flat, None, in_step)
             torch._foreach_copy_(self._averaged, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in self._averaged]), self._averaged)])
 
     def add_param_group(self, param_group: dict) -> None:
@@ -233,7 +233,14 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     def _allreduce(self, flat: FlatGroup, tensor: torch.Tensor) -> torch.Tensor:
         """Average a flat buffer of `flat` in full precision (its padding is sent, not counted in bits/param)."""
-        return allreduce(tensor, group=self.process_group, ledger=self.ledger, comm_dtype=self.allreduce_dtype, elements=flat.numel)
+        return self._full_precision(tensor, self.allreduce_dtype, True, flat.numel)
+
+    def _full_precision(self, tensor: torch.Tensor, comm_dtype: torch.dtype | None, in_step: bool, elements: int | None = None) -> torch.Tensor:
+        """A full-precision average over the ranks: through the 1-bit collective's topology where
+        there is one (node-aware on several nodes), else a flat allreduce."""
+        if self.collective is not None:
+            return self.collective.allreduce(tensor, comm_dtype=comm_dtype, elements=elements, in_step=in_step)
+        return allreduce(tensor, group=self.process_group, ledger=self.ledger, comm_dtype=comm_dtype, elements=elements, in_step=in_step)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -20,6 +20,8 @@ working at once. The bytes are those this implementation sends (docs/algorithm.m
                             onebit_layout's, G(N-1) of them off the node), then an all-gather of the
                             server segments: direct on Gloo (as the all-to-all), a ring on NCCL
                             (n-1 segments cross each node's link)
+  node-aware full precision the 1-bit optimizers' full-precision rounds on several nodes: the node-aware
+                            call's three steps with a ring allreduce of the shard between nodes
   node-aware 1-bit call     inside the node an all-to-all of the buffer in the allreduce dtype, the
                             flat 1-bit call of 1/G of it among the N ranks of one local rank (the G
                             local ranks at once, all over the node's link), an fp32 all-gather inside
@@ -148,6 +150,20 @@ def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Clust
     return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out)
 
 
+def hierarchical_allreduce_cost(numel: int, element_size: int, cluster: Cluster, reduce_rate: float = math.inf) -> CallCost:
+    """The node-aware full-precision allreduce (HierarchicalOneBitAllReduce.allreduce): a reduce-scatter
+    inside the node, a ring allreduce of each rank's shard among the nodes (the G local ranks sharing
+    the node's link), an fp32 all-gather inside the node."""
+    g, nodes = cluster.ranks_per_node, cluster.nodes
+    shard = -(-numel // g)
+    inner = allreduce_cost(
+        shard, element_size, Cluster(nodes, 1, cluster.bandwidth / g, cluster.latency, cluster.intra_bandwidth, cluster.backend), reduce_rate
+    )
+    intra_in, intra_out = (g - 1) * shard * element_size, (g - 1) * shard * 4
+    seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0) + (g - 1) * shard / reduce_rate
+    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out)
+
+
 def ddp_exposed_time(numel: int, element_size: int, cluster: Cluster, costs: StepCosts) -> float:
     """Seconds DDP's allreduce adds to a step after backward: buckets, smallest first, each started when
     backward has produced it and the previous bucket is done."""
@@ -194,7 +210,7 @@ def _summary(
         "onebit_allreduces": o,
         "collective_calls": f + 2 * o + sum(c for c, _, _ in parts) if world_size > 1 else 0,
         "bytes_per_rank": f * fp.bytes_per_rank + o * onebit.bytes_per_rank + sum(c * cost.bytes_per_rank for c, cost in part_costs),
-        "intra_bytes_per_rank": o * onebit.intra_bytes_per_rank,
+        "intra_bytes_per_rank": f * fp.intra_bytes_per_rank + o * onebit.intra_bytes_per_rank,
         "inter_bytes_per_node": f * fp.inter_bytes_per_node + o * onebit.inter_bytes_per_node + sum(c * cost.inter_bytes_per_node for c, cost in part_costs),
         "comm_time_s": f * fp.seconds + o * onebit.seconds + part_seconds,
         **counts.extra,
@@ -259,17 +275,19 @@ def plan(
     cluster = Cluster(world_size // ranks_per_node, ranks_per_node, bandwidth_bytes_per_s, latency_s, intra_bandwidth_bytes_per_s, backend)
     element = allreduce_bits // 8
     rate, reduce = (costs.compress_rate, costs.reduce_rate) if costs else (math.inf, math.inf)
-    fp = allreduce_cost(num_params, element, cluster, reduce)
-    topologies = {"flat": flat_onebit_cost(num_params, cluster, rate)}
+    flat_fp = allreduce_cost(num_params, element, cluster, reduce)
+    # (full-precision round, 1-bit round) of each topology of the 1-bit optimizers' collective
+    topologies = {"flat": (flat_fp, flat_onebit_cost(num_params, cluster, rate))}
     if cluster.nodes > 1 and ranks_per_node > 1:
-        topologies["hierarchical"] = hierarchical_onebit_cost(num_params, element, cluster, rate, reduce)
+        topologies["hierarchical"] = (
+            hierarchical_allreduce_cost(num_params, element, cluster, reduce),
+            hierarchical_onebit_cost(num_params, element, cluster, rate, reduce),
+        )
     result = {}
     for name in registry.names():
         spec = registry.get(name)
         context = PlanContext(steps, lr_schedule, world_size, num_params, allreduce_bits, betas, spec.knobs_from(knobs), param_shapes)
         counts = spec.plan(context)
-        # What a full-precision step adds: all of it in step(), DDP's exposed part only.
-        fp_step = fp.seconds if spec.uses_collective or costs is None else ddp_exposed_time(num_params, element, cluster, costs)
         compute = costs.step_time if costs else None
         records = {
             topology: _summary(
@@ -282,9 +300,10 @@ def plan(
                 allreduce_bits=allreduce_bits,
                 world_size=world_size,
                 compute_s=compute,
-                fp_step_s=fp_step,
+                # What a full-precision step adds: all of it in step(), DDP's exposed part only.
+                fp_step_s=fp.seconds if spec.uses_collective or costs is None else ddp_exposed_time(num_params, element, cluster, costs),
             )
-            for topology, onebit in (topologies.items() if spec.uses_collective else [("flat", topologies["flat"])])
+            for topology, (fp, onebit) in (topologies.items() if spec.uses_collective else [("flat", topologies["flat"])])
         }
         result[name] = records.pop("flat") | records
     if costs is not None:
