@@ -83,6 +83,24 @@ class OneBitKernels(Protocol):
         """Why this backend cannot run on `device` here (None: it can)."""
 
 
+class FusedKernels:
+    """What the fused backends share: a kernel per pass over whole rows, so no scratch, and each row's
+    real length and RMS divisor flat (the server's: this rank's chunk's rows)."""
+
+    def __init__(self, parts: Sequence[PartViews], device: torch.device, block_size: int | None):
+        self.parts = list(parts)
+        self._valid = [p.valid.contiguous().view(-1) for p in self.parts]
+        self._norm = [p.norm.contiguous().view(-1) for p in self.parts]
+        self._server_rows = [(p.valid[p.rank].contiguous(), p.norm[p.rank].contiguous()) for p in self.parts]
+
+    @staticmethod
+    def scratch(layouts, world_size: int, device: torch.device, block_size: int | None) -> dict[str, tuple[int, torch.dtype]]:
+        return {}
+
+    def held_buffers(self) -> dict[str, torch.Tensor]:
+        return {}
+
+
 def profiled(name: str):
     """A profiler range around a fused pass, so profiles and op counts show it (a torch op each, as a
     pass of the torch path is several); nothing while no profiler runs."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from zoa_train.comm.kernels import PartViews, profiled
+from zoa_train.comm.kernels import FusedKernels, PartViews, profiled
 
 SOURCE = Path(__file__).with_name("native.cpp")
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"]  # no fused multiply-add: the torch path's rounding
@@ -56,22 +56,12 @@ def build():
     return _built["module"]
 
 
-class Kernels:
+class Kernels(FusedKernels):
     """The native backend (zoa_train/comm/kernels/__init__.py)."""
 
     def __init__(self, parts: Sequence[PartViews], device: torch.device, block_size: int | None):
-        self.parts, self.module = list(parts), build()
-        # The server's rows: this rank's, with their real lengths and norms.
-        self._server_rows = [(p.valid[p.rank].contiguous(), p.norm[p.rank].contiguous()) for p in self.parts]
-        self._valid = [p.valid.contiguous().view(-1) for p in self.parts]
-        self._norm = [p.norm.contiguous().view(-1) for p in self.parts]
-
-    @staticmethod
-    def scratch(layouts, world_size: int, device: torch.device, block_size: int | None) -> dict[str, tuple[int, torch.dtype]]:
-        return {}
-
-    def held_buffers(self) -> dict[str, torch.Tensor]:
-        return {}
+        super().__init__(parts, device, block_size)
+        self.module = build()
 
     @staticmethod
     def unavailable(device: torch.device) -> str | None:

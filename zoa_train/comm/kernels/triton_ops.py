@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from zoa_train.comm.kernels import PartViews, profiled
+from zoa_train.comm.kernels import FusedKernels, PartViews, profiled
 
 try:
     import triton
@@ -27,7 +27,9 @@ PACK_BLOCK = 8192  # elements per program of pack_signs / unpack_signs
 
 
 def _warps(block: int) -> int:
-    return max(1, min(8, block // 512))
+    """Warps per program: 4 for a row of 4,096 (on an H200, 2 to 8 ran within a few percent of each
+    other and 16 or more slower: docs/results.md, "The 1-bit call at memory speed")."""
+    return max(1, min(4, block // 1024))
 
 
 if triton is not None:
@@ -147,22 +149,12 @@ def _interpreted() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-class Kernels:
+class Kernels(FusedKernels):
     """The triton backend (zoa_train/comm/kernels/__init__.py)."""
 
     def __init__(self, parts: Sequence[PartViews], device: torch.device, block_size: int | None):
-        self.parts = list(parts)
-        self._valid = [p.valid.contiguous().view(-1) for p in self.parts]
-        self._norm = [p.norm.contiguous().view(-1) for p in self.parts]
-        self._server_rows = [(p.valid[p.rank].contiguous(), p.norm[p.rank].contiguous()) for p in self.parts]
+        super().__init__(parts, device, block_size)
         self._block = [triton.next_power_of_2(p.worker.shape[2]) for p in self.parts]
-
-    @staticmethod
-    def scratch(layouts, world_size: int, device: torch.device, block_size: int | None) -> dict[str, tuple[int, torch.dtype]]:
-        return {}
-
-    def held_buffers(self) -> dict[str, torch.Tensor]:
-        return {}
 
     @staticmethod
     def unavailable(device: torch.device) -> str | None:
