@@ -10,7 +10,6 @@ zoa-train bench comm --sizes 1M,16M,64M --nproc 2        fp32 allreduce vs 1-bit
 sudo zoa-train bench netsim --ranks 2 --bandwidth 100mbit  each optimizer over emulated network links
 """
 
-import json
 import os
 import shutil
 import sys
@@ -24,6 +23,7 @@ from rich.table import Table
 from zoa_train import __version__
 from zoa_train import console as zoa_console
 from zoa_train.errors import UserError
+from zoa_train.files import dumps_json
 
 app = typer.Typer(help="Communication-efficient distributed training with 0/1 Adam.", no_args_is_help=True, rich_markup_mode=None)
 bench_app = typer.Typer(help="Benchmarks that print ratios measured in one run.", no_args_is_help=True, rich_markup_mode=None)
@@ -78,6 +78,7 @@ def run_command(
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
     from zoa_train.config import check_batch_layout, load_recipe
     from zoa_train.distributed import LauncherSignalled, RankFailed, cluster_environment, launch_local
+    from zoa_train.files import check_directory
     from zoa_train.train.rundir import RunDirectory
     from zoa_train.train.trainer import CollectiveTimeout, run_rank
 
@@ -98,6 +99,7 @@ def run_command(
         check_batch_layout(config, world, str(recipe))
         check_local_gpus(config.train.backend, world)
         RunDirectory(run_dir).check(resume or None, overwrite, world, reshard)  # before any rank starts; every rank checks again
+        check_directory(Path(config.data.cache_dir).expanduser(), "data.cache_dir")
     try:
         if cluster_environment() is None:
             results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite, reshard, max_restarts=max_restarts)
@@ -313,7 +315,7 @@ def plan_command(
         param_shapes=shapes,
     )
     if as_json:
-        print(json.dumps(result))
+        print(dumps_json(result))
         return
     console.print(format_plan(result))
     for name, record in result.items():
@@ -401,18 +403,20 @@ def eval_imagenet(
 ) -> None:
     """Top-1 and top-5 accuracy and the loss of a ResNet over every image of a validation set; split over the ranks under torchrun or srun."""
     from zoa_train.evaluation.imagenet import evaluate_imagenet
+    from zoa_train.files import check_output_file, write_json_file
     from zoa_train.models import RESNETS
 
     if batch_size < 1 or workers < 0 or resize_size < 0 or crop_size < 0:
         fail("--batch-size must be at least 1, and --workers, --resize-size and --crop-size not negative.")
     if model and model not in RESNETS:
         fail(f"--model must be one of {', '.join(RESNETS)}, not {model!r}.")
+    if json_out is not None:
+        check_output_file(json_out, "--json")  # before the evaluation: its result must have somewhere to go
     result = evaluate_imagenet(checkpoint, data, batch_size, workers, model or None, resize_size or None, crop_size or None)
     if result is None:  # not rank 0
         return
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json_file(json_out, result, "--json")
     table = Table(title=f"{result['model']} on {result['data']}")
     for name in ("images", "top-1", "top-5", "loss"):
         table.add_column(name, justify="right")
@@ -451,7 +455,7 @@ def bench_ops(
     if calls < 1 or scale < 1 or block_size < 0:
         fail("--calls and --scale must be at least 1 and --block-size 0 (the default) or more.")
     groups = [[max(1, size // scale) for size in sizes] for sizes in bert_large_groups()]
-    console.print_json(data=launch_local(profile_rank, nproc, groups, calls, block_size or None, per_group, None)[0])
+    print(dumps_json(launch_local(profile_rank, nproc, groups, calls, block_size or None, per_group, None)[0], indent=2))
 
 
 @bench_app.command("comm")
@@ -497,7 +501,7 @@ def bench_comm(
         nproc = world
     result = {"nproc": nproc, "backend": backend or "default", "repeats": repeats, "ranks_per_node": ranks_per_node, "results": rows}
     if as_json:
-        print(json.dumps(result))
+        print(dumps_json(result))
         return
     table = Table(title=f"fp32 allreduce vs 1-bit allreduce, {nproc} ranks")
     for name in ("elements", "fp32 s", "bf16 s", "1-bit s", "speed-up", "err 1 call", f"err mean {FEEDBACK_CALLS}", "pack+unpack GB/s", "add GB/s", "ratio"):
@@ -634,7 +638,7 @@ def bench_netsim(
         zoa_console.error(str(e))
         raise typer.Exit(1) from None
     if as_json:
-        print(json.dumps(result))
+        print(dumps_json(result))
     else:
         from zoa_train.bench.netsim import format_netsim
 
@@ -664,7 +668,7 @@ def bench_optim(
         fail(f"--device {device}: this machine has no such device (CUDA available: {torch.cuda.is_available()}).")
     result = run_optimizer_bench(params_millions, repeats, threads or None, device)
     if as_json:
-        print(json.dumps(result, default=str))
+        print(dumps_json(result, default=str))
     else:
         console.print(format_optimizer_bench(result))
 
@@ -684,7 +688,7 @@ def bench_loader(
         fail("--batches must be at least 1.")
     result = run_loader_bench(load_recipe(recipe, set_), batches)
     if as_json:
-        print(json.dumps(result))
+        print(dumps_json(result))
         return
     console.print(
         f"loader {result['loader_s_per_batch'] * 1e3:.2f} ms/batch ({result['loader_units_per_s']:,.0f} {result['unit']}/s), "

@@ -21,6 +21,7 @@ import yaml
 from zoa_train import checks
 from zoa_train.comm.topology import TOPOLOGIES
 from zoa_train.errors import UserError
+from zoa_train.files import load_yaml
 from zoa_train.models.builders import MODEL_PRESETS, ModelConfig, model_shape
 from zoa_train.optim import LRSchedule, registry
 
@@ -160,7 +161,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     if not path.is_file():
         raise UserError(f"recipe file {path} does not exist.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = load_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
     except UnicodeDecodeError:
         raise UserError(f"{path} is not a text file (YAML in UTF-8); is it the recipe?") from None
     except yaml.YAMLError as e:
@@ -207,7 +208,10 @@ def apply_override(data: dict, override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise UserError(f"--set {override!r}: {part} is not a section.")
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    try:
+        node[parts[-1]] = load_yaml(text, f"--set {override!r}") if text.strip() else None
+    except yaml.YAMLError:
+        raise UserError(f"--set {override!r}: the value is not valid YAML.") from None
 
 
 # Keys other trainers use to shard or split the model (DeepSpeed's zero_optimization, FSDP, Megatron's

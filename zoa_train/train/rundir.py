@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 
 from zoa_train.errors import UserError
+from zoa_train.files import check_directory, make_directory
 
 MARKER = "COMPLETE"
 METRICS = "metrics.jsonl"
@@ -208,7 +209,7 @@ class RunDirectory:
         a UserError naming the job that holds it. Held until close() or this process ends."""
         if self._lock is not None:
             return
-        self.path.mkdir(parents=True, exist_ok=True)
+        make_directory(self.path, "run directory")
         f = open(self.path / LOCK, "a+")
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -274,6 +275,7 @@ class RunDirectory:
             raise UserError("--resume and --overwrite cannot be used together.")
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"run directory {self.path} exists and is not a directory.")
+        check_directory(self.path, "run directory")
 
     def check(self, resume: str | None, overwrite: bool, world_size: int, reshard: bool = False) -> Path | None:
         """Read-only: the checkpoint to resume from (None: start at step 0), or a UserError for a
@@ -452,12 +454,13 @@ def _numpy_array_globals() -> list:
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-def read_checkpoint_file(path: Path, device: torch.device | str = "cpu"):
+def read_checkpoint_file(path: Path, device: torch.device | str = "cpu", opened=None):
     """torch.load of tensors and plain values only (weights_only): a checkpoint cannot run code when it
-    is read. A file holding any other pickled object is refused in one sentence."""
+    is read. A file holding any other pickled object is refused in one sentence. `opened`: the file,
+    opened already (read from it; `path` names it)."""
     try:
         with torch.serialization.safe_globals(_numpy_array_globals()):
-            return torch.load(path, map_location=device, weights_only=True)
+            return torch.load(path if opened is None else opened, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"a pickled {found.group(1)}" if found else "a pickled object"
