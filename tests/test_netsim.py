@@ -201,6 +201,9 @@ def test_root_and_iproute2_are_required(monkeypatch):
     "args, message",
     [
         (["--ranks", "1"], "--ranks must be between 2"),
+        (["--ranks", "0"], "--ranks must be between 2"),
+        (["--nodes", "0"], "--nodes must be at least 1, not 0"),
+        (["--nodes", "2", "--ranks-per-node", "0"], "--ranks-per-node must be at least 1, not 0"),
         (["--bandwidth", "fast"], "bandwidth 'fast' is not understood"),
         (["--optimizers", "adam,sgd"], "--optimizers takes"),
         (["--latency", "soon"], "latency 'soon' is not understood"),

@@ -56,7 +56,9 @@ def main(
 def run_command(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe, e.g. recipes/gpt2_tiny.yaml.")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
-    nproc: Annotated[int, typer.Option(help="Local ranks to start when not under torchrun/srun. [default: the recipe's train.nproc]", show_default=False)] = 0,
+    nproc: Annotated[
+        int | None, typer.Option(help="Local ranks to start when not under torchrun/srun. [default: the recipe's train.nproc]", show_default=False)
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]", show_default=False)] = None,
     resume: Annotated[str, typer.Option(help="auto (latest complete checkpoint in the run directory) or a checkpoint directory.")] = "",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Empty a non-empty run directory first.")] = False,
@@ -92,10 +94,10 @@ def run_command(
         fail(
             "--max-restarts restarts ranks that zoa-train run starts itself; under torchrun pass --max-restarts to torchrun (a restarted rank resumes by itself), under srun let Slurm requeue the job."
         )
+    if nproc is not None and nproc < 1:
+        fail(f"--nproc must be at least 1, not {nproc}.")
     if cluster_environment() is None:
         world = nproc or config.train.nproc
-        if world < 1:
-            fail("--nproc must be at least 1.")
         check_batch_layout(config, world, str(recipe))
         check_local_gpus(config.train.backend, world)
         RunDirectory(run_dir).check(resume or None, overwrite, world, reshard)  # before any rank starts; every rank checks again
@@ -242,11 +244,11 @@ def slurm_command(
 def plan_command(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe: its optimizer knobs, lr schedule, steps and model size are read.")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
-    nodes: Annotated[int, typer.Option(help="Nodes to plan for. [default: 64, or --world-size / --gpus-per-node]", show_default=False)] = 0,
+    nodes: Annotated[int | None, typer.Option(help="Nodes to plan for. [default: 64, or --world-size / --gpus-per-node]", show_default=False)] = None,
     gpus_per_node: Annotated[
         int, typer.Option(help="Ranks in each node; above 1 the 1-bit optimizers are planned flat and node-aware. [default: 1]", show_default=False)
     ] = 1,
-    world_size: Annotated[int, typer.Option(help="All ranks, instead of --nodes: --world-size / --gpus-per-node nodes.", show_default=False)] = 0,
+    world_size: Annotated[int | None, typer.Option(help="All ranks, instead of --nodes: --world-size / --gpus-per-node nodes.", show_default=False)] = None,
     bandwidth: Annotated[
         str, typer.Option(help="Each node's link to the others, each way, e.g. 10Gbit, 100Gbit, 25GB. [default: 10Gbit]", show_default=False)
     ] = "10Gbit",
@@ -286,11 +288,14 @@ def plan_command(
     from zoa_train.optim.plan import StepCosts, format_plan, parse_bandwidth, parse_latency, plan
 
     config = load_recipe(recipe, set_)
-    if gpus_per_node < 1 or min(nodes, world_size, backward_fraction, compress_rate, reduce_rate) < 0:
-        fail("--gpus-per-node must be at least 1, and --nodes, --world-size, --backward-fraction, --compress-rate and --reduce-rate not negative.")
-    if nodes and world_size:
+    for option, count in (("--nodes", nodes), ("--world-size", world_size), ("--gpus-per-node", gpus_per_node)):
+        if count is not None and count < 1:
+            fail(f"{option} must be at least 1, not {count}.")
+    if not (0 <= backward_fraction <= 1 and compress_rate >= 0 and reduce_rate >= 0 and params >= 0):
+        fail("--backward-fraction must be in [0, 1], and --compress-rate, --reduce-rate and --params not negative.")
+    if nodes is not None and world_size is not None:
         fail("give --nodes or --world-size, not both.")
-    if world_size and world_size % gpus_per_node:
+    if world_size is not None and world_size % gpus_per_node:
         fail(f"--gpus-per-node {gpus_per_node} does not divide --world-size {world_size}.")
     ranks = world_size or (nodes or 64) * gpus_per_node
     costs = None
@@ -492,6 +497,8 @@ def bench_comm(
     world = int(os.environ["WORLD_SIZE"]) if cluster_environment() is not None else nproc
     if ranks_per_node < 0 or (ranks_per_node and (world % ranks_per_node or world == ranks_per_node)):
         fail(f"--ranks-per-node must divide the {world} ranks into two or more nodes, not {ranks_per_node}.")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if cluster_environment() is not None else nproc
+    check_bench_comm_machine(backend, local, max(numels))
     if cluster_environment() is None:
         rows = launch_local(rank_main, nproc, numels, repeats, backend or None, ranks_per_node)[0]
     else:
@@ -533,6 +540,42 @@ def bench_comm(
         console.print(nodes)
 
 
+# What bench comm holds per rank and element of its largest size (zoa_train/bench/comm.py): the input,
+# its exact average, fp32 and bf16 work copies, the running sum and a clone per call, two 1-bit
+# collectives' buffers and errors, and on rank 0 the codec's buffers: about 44 bytes, rounded up.
+BENCH_COMM_BYTES_PER_ELEMENT = 48
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can give new processes (Linux's MemAvailable: free and reclaimable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_bench_comm_machine(backend: str, local_ranks: int, numel: int) -> None:
+    """Refuse a backend or a size this machine cannot give `local_ranks` ranks, before starting any."""
+    import torch
+
+    from zoa_train.optim.plan import format_bytes
+
+    gpus = torch.cuda.device_count()
+    if (backend or ("nccl" if gpus else "gloo")) == "nccl":
+        if gpus < local_ranks:
+            fail(f"--backend nccl needs a GPU for each of the {local_ranks} local ranks and this machine has {gpus}; pass --backend gloo.")
+        free, where = min(torch.cuda.mem_get_info(i)[0] for i in range(local_ranks)), "free on its GPU"
+        per_rank = True
+    else:
+        free, where = available_memory(), "of memory available on this machine"
+        per_rank = False
+    need = BENCH_COMM_BYTES_PER_ELEMENT * numel * (1 if per_rank else local_ranks)
+    if need > free:
+        whom = "each rank" if per_rank else f"{local_ranks} ranks"
+        fail(f"--sizes {numel:,} elements need about {format_bytes(need)} for {whom} and there are {format_bytes(free)} {where}; pass smaller sizes.")
+
+
 @bench_app.command("netsim")
 def bench_netsim(
     recipe: Annotated[Path, typer.Option(help="The recipe every optimizer trains. [default: recipes/gpt2_tiny.yaml]", show_default=False)] = Path(
@@ -540,12 +583,12 @@ def bench_netsim(
     ),
     ranks: Annotated[int, typer.Option(help="Ranks, one network namespace (node) each; see --nodes. [default: 2]", show_default=False)] = 2,
     nodes: Annotated[
-        int,
+        int | None,
         typer.Option(
             help="Emulated nodes, one network namespace each, of --ranks-per-node ranks that talk over its loopback (replaces --ranks). [default: --ranks nodes of 1]",
             show_default=False,
         ),
-    ] = 0,
+    ] = None,
     ranks_per_node: Annotated[
         int, typer.Option(help="Ranks in each of --nodes; above 1 the 1-bit optimizers train flat and node-aware. [default: 1]", show_default=False)
     ] = 1,
@@ -596,9 +639,10 @@ def bench_netsim(
 
     if steps < 0:
         fail("--steps must be positive (0 keeps the recipe's train.steps).")
-    if nodes < 0 or ranks_per_node < 1:
-        fail(f"--nodes must be positive and --ranks-per-node at least 1, not {nodes} and {ranks_per_node}.")
-    if ranks_per_node > 1 and not nodes:
+    for option, count in (("--nodes", nodes), ("--ranks-per-node", ranks_per_node)):
+        if count is not None and count < 1:
+            fail(f"{option} must be at least 1, not {count}.")
+    if ranks_per_node > 1 and nodes is None:
         fail("--ranks-per-node needs --nodes: pass --nodes N --ranks-per-node G for N namespaces of G ranks.")
     world = nodes * ranks_per_node if nodes else ranks
     if not 0 <= margin < 1:

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -280,10 +281,16 @@ def _coerce(value, kind, origin: str, key: str):
             pass
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise UserError(f"{origin}: {key} must be {kind.__name__}, not {value!r}.")
+    if kind is int and not -(2**63) <= value < 2**63:  # what torch (seeds, step counters) and the C++ below it can hold
+        raise UserError(f"{origin}: {key} must fit in 64 bits (at most {2**63 - 1:,}), not {value}.")
     if kind is float and not math.isfinite(value):
         raise UserError(f"{origin}: {key} must be a finite number, not {value}.")
     return value
 
+
+# A collective's deadline is counted in nanoseconds in 64 bits (Gloo, NCCL): about 292 years from the
+# clock's start can be held; a billion seconds (31 years) stays well inside it.
+MAX_TIMEOUT_S = 10**9
 
 # What each numeric key must be, checked in this order (each optimizer's registry entry adds its own
 # knobs'); rules that involve several keys or a value's meaning are in _check.
@@ -293,7 +300,7 @@ CHECKS: dict[str, checks.Check] = {
     "train.micro_batch_size": checks.positive,
     "train.nproc": checks.positive,
     "train.log_every": checks.positive,
-    "train.timeout_s": checks.positive,
+    "train.timeout_s": checks.from_to(1, MAX_TIMEOUT_S),
     "train.val_batches": checks.positive,
     "train.keep_checkpoints": checks.positive,
     "train.grad_clip": checks.non_negative,
@@ -335,6 +342,13 @@ def _check(recipe: Recipe, origin: str) -> None:
             raise UserError(f"{origin}: {key} {problem}, not {list(value) if isinstance(value, tuple) else value}.")
     if recipe.schedule.name == "cosine" and recipe.schedule.min_lr > o.lr:
         raise UserError(f"{origin}: schedule.min_lr {recipe.schedule.min_lr} is above optimizer.lr {o.lr}; the cosine schedule decays from lr down to min_lr.")
+    final_lr = recipe.lr_schedule()(recipe.train.steps - 1)
+    if recipe.schedule.name == "exponential" and final_lr < sys.float_info.min:
+        raise UserError(
+            f"{origin}: the exponential schedule (schedule.decay_factor {recipe.schedule.decay_factor} every {recipe.schedule.decay_every:,} steps) "
+            f"takes the lr from {o.lr} to {final_lr:.3g} by step {recipe.train.steps:,}, below the smallest normal float ({sys.float_info.min:.3g}); "
+            "decay more slowly or train fewer steps."
+        )
     if m.kind in MODEL_PRESETS and not m.init_from:  # init_from: the pretrained model's own shape
         try:  # the preset name, custom's three sizes, n_embd divisible by n_head: before any rank starts
             model_shape(m)
