@@ -63,15 +63,6 @@ def quick(cache_dir: Path, *extra: str) -> list[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, cache_dir) -> Path:
-    """One real 2-step run with a checkpoint, shared by the resume cases."""
-    run_dir = tmp_path_factory.mktemp("finished") / "run"
-    done = zoa("run", RECIPE, "--out", str(run_dir), *quick(cache_dir))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run_dir
-
-
 def recipe_file(text: str):
     return lambda tmp, cache, run: (tmp.joinpath("recipe.yaml").write_text(text), [str(tmp / "recipe.yaml")])[1]
 
@@ -187,14 +178,97 @@ def test_bench_optim_refuses_a_device_it_cannot_time(capsys, device, message):
     check_one_sentence(zoa_here(capsys, "bench", "optim", "--device", device), message)
 
 
-def test_a_checkpoint_of_another_model_is_refused_and_the_run_is_left_alone(finished_run, cache_dir):
-    # The same optimizer and run directory, one layer more: --resume auto must not touch what is there.
-    # (A checkpoint of another optimizer: tests/test_run.py, test_gpt2_tiny_runs_end_to_end_and_resumes_exactly.)
-    before = contents(finished_run)
-    done = zoa("run", RECIPE, "--out", str(finished_run), "--resume", "auto", *quick(cache_dir, "model.n_layer=3"))
-    check_one_sentence(done, "holds another model")
-    after = contents(finished_run)
-    assert after == before
+# ---- a refused resume leaves the run directory as it was (issue 35) --------------------------------
+# Every check that can refuse a resume runs before anything in the run directory changes. The run is
+# one rank in this process (a launcher's environment: nothing to start), resumed from its first of two
+# checkpoints, so a metrics.jsonl trimmed too early would lose step 2's record.
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """This process as the only rank of a launcher's group: `zoa-train run` trains here."""
+    import torch
+    from distributed_harness import free_port
+
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory, cache_dir) -> Path:
+    """A finished 2-step run of one rank with a checkpoint at each step, trained in this process."""
+    import torch
+    from distributed_harness import free_port
+
+    from zoa_train import cli
+
+    run_dir = tmp_path_factory.mktemp("one-rank") / "run"
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        mp.setattr(sys, "argv", ["zoa-train", "run", RECIPE, "--out", str(run_dir), *quick(cache_dir, "train.checkpoint_every=1")])
+        with pytest.raises(SystemExit) as done:
+            cli.run()
+    torch.set_num_threads(threads)
+    assert done.value.code == 0
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    return run_dir
+
+
+def pickled_rank_file(run_dir: Path) -> None:
+    """rank_00000.pt rewritten, with its checksum, to hold an object that runs code when unpickled."""
+    import hashlib
+
+    import torch
+
+    checkpoint = run_dir / "checkpoints" / "step_00000001"
+    rank_file = checkpoint / "rank_00000.pt"
+    torch.save({"payload": PickledCall(run_dir.parent / "called")}, rank_file)
+    data = rank_file.read_bytes()
+    marker = checkpoint / "COMPLETE"
+    lines = [f"file rank_00000.pt {len(data)} {hashlib.sha256(data).hexdigest()}" if line.startswith("file rank_00000.pt ") else line
+             for line in marker.read_text().splitlines()]  # fmt: skip
+    marker.write_text("\n".join(lines) + "\n")
+
+
+def damaged_model_file(run_dir: Path) -> None:
+    model = run_dir / "checkpoints" / "step_00000001" / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+
+
+# name: (how the run directory is spoiled first, or None; what the resume sets; the sentence's words)
+RESUME_REFUSALS = {
+    "another model": (None, ["model.n_layer=3"], "holds another model (12 tensors missing"),
+    "another optimizer": (None, ["optimizer.name=onebit_adam"], "this optimizer state is not a OneBitAdam state"),
+    "another task": (None, ["model.kind=bert"], "holds another model"),
+    "a damaged checkpoint": (damaged_model_file, [], "model.pt does not match the SHA-256 checksum recorded when it was written"),
+    "a pickled object": (pickled_rank_file, [], "rank_00000.pt holds a pickled"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_REFUSALS))
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(one_rank_run, tmp_path, cache_dir, capsys, one_rank, case):
+    import shutil
+
+    spoil, settings, message = RESUME_REFUSALS[case]
+    run_dir = tmp_path / "run"
+    shutil.copytree(one_rank_run, run_dir)
+    if spoil is not None:
+        spoil(run_dir)
+    before = contents(run_dir)
+    checkpoint = run_dir / "checkpoints" / "step_00000001"
+    done = zoa_here(capsys, "run", RECIPE, "--out", str(run_dir), "--resume", str(checkpoint), *quick(cache_dir, "train.steps=3", *settings))
+    check_one_sentence(done, message)
+    assert contents(run_dir) == before
+    assert not (tmp_path / "called").exists()
 
 
 # ---- unsupported combinations with the 1-bit optimizers (issue 12, item 8) ----------------------
@@ -279,36 +353,17 @@ def test_a_run_directory_with_brackets_is_named_as_it_is(tmp_path, capsys):
     assert (run_dir / "notes.txt").read_text() == "kept"
 
 
-def test_a_checkpoint_holding_a_pickled_object_is_refused(finished_run, tmp_path, cache_dir):
-    """Checkpoints are read with torch's weights-only unpickler: a rank file that would run code when
-    loaded (rewritten with its checksum, as whoever could write it could) is refused in one sentence."""
-    import hashlib
-    import shutil
-
-    import torch
-
-    run_dir = tmp_path / "run"
-    shutil.copytree(finished_run, run_dir)
-    checkpoint = next((run_dir / "checkpoints").iterdir())
-    rank_file = checkpoint / "rank_00000.pt"
-    torch.save({"payload": PickledCall()}, rank_file)
-    data = rank_file.read_bytes()
-    marker = checkpoint / "COMPLETE"
-    lines = [f"file rank_00000.pt {len(data)} {hashlib.sha256(data).hexdigest()}" if line.startswith("file rank_00000.pt ") else line
-             for line in marker.read_text().splitlines()]  # fmt: skip
-    marker.write_text("\n".join(lines) + "\n")
-    done = zoa("run", RECIPE, "--out", str(run_dir), "--resume", "auto", *quick(cache_dir, "train.steps=3"))
-    check_one_sentence(done, "rank_00000.pt holds a pickled")
-    assert "reads no code from a checkpoint" in done.stderr and not (tmp_path / "called").exists()
-
-
 class PickledCall:
-    """Unpickled with torch's full unpickler, this would call os.system."""
+    """Unpickled with torch's full unpickler, this would call os.system and create `path` (checkpoints
+    are read with torch's weights-only unpickler, which refuses it)."""
+
+    def __init__(self, path: Path):
+        self.path = path
 
     def __reduce__(self):
         import os
 
-        return os.system, (f"touch {Path(__file__).parent}/called",)
+        return os.system, (f"touch {self.path}",)
 
 
 @pytest.mark.parametrize(
