@@ -391,3 +391,75 @@ def test_the_library_names_a_sparse_gradient(name):
     embedding(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ValueError, match="a parameter has a sparse gradient, which these optimizers do not support"):
         opt.step()
+
+
+# ---- library misuse, in the project's words (issue 35) ----------------------------------------------
+
+
+def _parameters(case: str):
+    import torch
+
+    return {
+        "frozen": lambda: [torch.nn.Parameter(torch.zeros(3), requires_grad=False)],
+        "zero-size": lambda: [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(2, 0))],
+        "frozen and zero-size": lambda: [torch.nn.Parameter(torch.zeros(3), requires_grad=False), torch.nn.Parameter(torch.zeros(0))],
+        "empty groups": lambda: [{"params": []}, {"params": []}],
+    }[case]()
+
+
+@pytest.mark.parametrize("case", ["frozen", "zero-size", "frozen and zero-size", "empty groups"])
+@pytest.mark.parametrize("name", ["ZeroOneAdam", "OneBitAdam", "DataParallelAdam", "DiLoCo"])
+def test_an_optimizer_over_nothing_trainable_is_refused(name, case):
+    from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam
+    from zoa_train.optim.diloco import DiLoCo
+
+    cls = {"ZeroOneAdam": ZeroOneAdam, "OneBitAdam": OneBitAdam, "DataParallelAdam": DataParallelAdam, "DiLoCo": DiLoCo}[name]
+    with pytest.raises(ValueError, match=rf"^{name} has nothing to train: .*; pass the trainable ones"):
+        cls(_parameters(case), lr=0.01)
+
+
+def every_dtype():
+    """Every dtype torch has a zeros() for, the ones it may add later included."""
+    import warnings
+
+    import torch
+
+    found = []
+    for name in dir(torch):
+        dtype = getattr(torch, name)
+        if isinstance(dtype, torch.dtype) and dtype not in found:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # experimental and deprecated dtypes say so
+                    torch.zeros(1, dtype=dtype)
+            except (RuntimeError, TypeError):  # quantized and other dtypes without plain tensors
+                continue
+            found.append(dtype)
+    return found
+
+
+def test_the_1bit_collectives_refuse_every_dtype_they_cannot_average():
+    import torch
+
+    from zoa_train.comm import OneBitAllReduce
+    from zoa_train.comm.onebit import ONEBIT_DTYPES
+
+    dtypes = every_dtype()
+    assert set(ONEBIT_DTYPES) < set(dtypes) and torch.float64 in dtypes and torch.int64 in dtypes
+    comm = OneBitAllReduce([[5], [3]])
+    for dtype in dtypes:
+        pair = [torch.zeros(5, dtype=dtype), torch.zeros(3, dtype=dtype)]
+        if dtype in ONEBIT_DTYPES:
+            assert comm.op(pair)[0].dtype == dtype
+            continue
+        for call in (comm.op, comm.exchange):
+            with pytest.raises(ValueError, match=rf"^OneBitAllReduce averages float32, bfloat16 or float16 tensors, not {dtype}$"):
+                call(pair)
+
+
+@pytest.mark.parametrize("sizes", [-1, [4, -3], [[4], [-3]]])
+def test_a_1bit_collective_of_negative_size_is_refused(sizes):
+    from zoa_train.comm import OneBitAllReduce
+
+    with pytest.raises(ValueError, match=r"^a 1-bit allreduce lays out tensors of 0 or more elements, not -\d$"):
+        OneBitAllReduce(sizes)

@@ -48,7 +48,8 @@ def library_default(optimizer: Callable, name: str):
 @dataclass
 class SharedKnobs:
     """The optimizer section's keys that every optimizer takes. Defaults are the library's
-    (zoa_train.optim), which follow the authors' DeepSpeed defaults; docs/algorithm.md ("Defaults")
+    (zoa_train.optim), which follow the authors' DeepSpeed defaults but bias_correction (on, as in
+    torch.optim.Adam); docs/algorithm.md ("Defaults")
     lists them beside the authors' values."""
 
     lr: float = library_default(ZeroOneAdam, "lr")
