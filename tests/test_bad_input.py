@@ -463,3 +463,12 @@ def test_a_1bit_collective_of_negative_size_is_refused(sizes):
 
     with pytest.raises(ValueError, match=r"^a 1-bit allreduce lays out tensors of 0 or more elements, not -\d$"):
         OneBitAllReduce(sizes)
+
+
+def test_run_warns_of_a_setting_too_few_outer_steps_train(one_rank, tmp_path, cache_dir, capsys, caplog):
+    """The recipe's own optimizer's plan warning, said once by rank 0 before training (plan: tests/test_plan.py)."""
+    done = zoa_here(capsys, "run", RECIPE, "--out", str(tmp_path / "run"), *quick(cache_dir, "optimizer.name=diloco"))
+    assert done.returncode == 0, done.stderr
+    said = [r.getMessage() for r in caplog.records if "outer step(s), too few to train" in r.getMessage()]
+    assert said == ["optimizer.sync_every (500) leaves this run of 2 steps 0 outer step(s), too few to train (2 ended 8% above Adam on gpt2_tiny; "
+                    "bert_tiny reached Adam's loss with 9, docs/results.md): set sync_every to 1 or less."]  # fmt: skip
