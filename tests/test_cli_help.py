@@ -72,3 +72,26 @@ def test_help_shows_every_default_as_written_once_and_flags_as_flags():
             for default in written:  # the text of the help string itself, not swallowed as markup
                 assert default in output, (path, param.name, default)
                 assert not param.show_default, (path, param.name)  # and no second, generated one
+
+
+def test_tables_are_printed_whole_where_stdout_is_not_a_terminal(monkeypatch):
+    """A pipe, a file or a Slurm log gets every table whole, not cut to 80 columns ("Power...", "0.00...")."""
+    import io
+    from pathlib import Path
+
+    from zoa_train import console
+    from zoa_train.optim import LRSchedule
+    from zoa_train.optim.plan import format_plan, plan
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    printed = io.StringIO()
+    planned = plan(1200, LRSchedule("constant", lr=1e-3), 2, 10**6, bandwidth_bytes_per_s=1e9, latency_s=0.0)
+    console._console(file=printed).print(format_plan(planned))
+    lines = printed.getvalue().splitlines()
+    assert max(len(line) for line in lines) > 80  # wider than a terminal's default: nothing was cut to fit one
+    assert any("|T_v| (variance updates)" in line and "PowerSGD" not in line for line in lines)  # a row name on one line
+    assert any("1-bit Adam" in line and "PowerSGD" in line and "DiLoCo" in line for line in lines)  # the whole header
+    # Every command prints through these consoles: a module that made its own would lay tables out in 80 columns.
+    package = Path(zoa_train.__file__).parent
+    own = [str(p.relative_to(package)) for p in package.rglob("*.py") if "Console(" in p.read_text() and p.name != "console.py"]
+    assert not own
