@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from catalogue import check_documented
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "gpt2_tiny.yaml")
@@ -100,6 +101,25 @@ def resume_from(where: str):
     return args
 
 
+def a_file_in_the_way(tmp: Path) -> Path:
+    """A file where a directory would have to be created: tmp/file/..."""
+    (tmp / "file").write_text("not a directory")
+    return tmp / "file"
+
+
+def non_empty_run_directory(tmp, cache, run):
+    run.mkdir()
+    (run / "notes.txt").write_text("kept")
+    return [RECIPE]
+
+
+def checkpoint_of_four_ranks(tmp, cache, run):
+    checkpoint = run / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "COMPLETE").write_text("step 4\nworld_size 4\n")
+    return [RECIPE, "--resume", "auto"]
+
+
 # name: (arguments(tmp_path, cache_dir, run_dir) -> zoa run arguments, expected text in the sentence,
 #        whether ranks start first: they prepare the run directory (new and empty here) before reading data)
 CASES = {
@@ -134,6 +154,32 @@ CASES = {
     "brackets in the recipe's name": (bracketed_recipe, "gpt2[old][bold].yaml: model.n_embd 128 must be divisible by model.n_head 3", False),
     "missing recipe with brackets": (lambda tmp, cache, run: [str(tmp / "x[/y].yaml")], "x[/y].yaml does not exist", False),
     "negative --max-restarts": (lambda tmp, cache, run: [RECIPE, "--max-restarts", "-1"], "--max-restarts must be 0 or more, not -1", False),
+    "missing recipe": (lambda tmp, cache, run: [str(tmp / "nope.yaml")], "nope.yaml does not exist", False),
+    "--set without =": (lambda tmp, cache, run: [RECIPE, "--set", "noequals"], "--set 'noequals' must look like section.key=value", False),
+    "--reshard without --resume": (lambda tmp, cache, run: [RECIPE, "--reshard"], "--reshard continues a checkpoint at another number of ranks", False),
+    "non-empty run directory": (non_empty_run_directory, "is not empty: pass --resume auto to continue it or --overwrite", False),
+    "checkpoint of another world size": (checkpoint_of_four_ranks, "was written by 4 ranks and this run has 2", False),
+    "zero --nproc": (lambda tmp, cache, run: [RECIPE, "--nproc", "0"], "--nproc must be at least 1, not 0", False),
+    # issue 35: what the platform cannot hold, checked once in the schema (plan and run alike); keys given twice
+    "a key given twice": (
+        recipe_file("model:\n  kind: gpt2\noptimizer:\n  lr: 1.0e-3\noptimizer:\n  lr: 2.0e-3\n"),
+        "gives the key optimizer twice in one mapping (lines 3 and 5)",
+        False,
+    ),
+    "--set value that is not YAML": (recipe_with("optimizer.betas=[0.9"), "--set 'optimizer.betas=[0.9': the value is not valid YAML", False),
+    "seed beyond 64 bits": (recipe_with("train.seed=12345678901234567890123"), "train.seed must fit in 64 bits", False),
+    "timeout beyond a deadline": (recipe_with("train.timeout_s=100000000000000"), "train.timeout_s must be from 1 to 1,000,000,000", False),
+    "lr decayed below a float": (recipe_with("train.steps=250000"), "takes the lr from 0.003 to 1.27e-316 by step 250,000", False),
+    "run directory that cannot be created": (
+        lambda tmp, cache, run: [RECIPE, "--out", str(a_file_in_the_way(tmp) / "run")],
+        "cannot create run directory",
+        False,
+    ),
+    "data.cache_dir that cannot be created": (
+        lambda tmp, cache, run: [RECIPE, *sets(f"data.cache_dir={a_file_in_the_way(tmp) / 'cache'}")],
+        "cannot create data.cache_dir",
+        False,
+    ),
     # Unsupported combinations (issue 12, item 8): there is no key for splitting the model; asking for it names the reason.
     "ZeRO stage": (recipe_with("train.zero_stage=2"), "unknown key train.zero_stage; zoa-train is data-parallel only", False),
     "FSDP": (recipe_with("train.fsdp=true"), "unknown key train.fsdp; zoa-train is data-parallel only", False),
@@ -153,6 +199,20 @@ def check_one_sentence(done: subprocess.CompletedProcess, message: str) -> None:
     assert len(errors) == 1, done.stderr[-3000:]
 
 
+def test_the_catalogue_names_cases_that_exist_and_a_case_for_each_message():
+    """docs/bad-input.md's rows name cases of the tables here and in tests/test_run.py, whose tests check
+    each documented message against what zoa-train says (tests/catalogue.py)."""
+    from catalogue import rows
+    from test_run import BAD_RECIPES
+
+    tables = {"bad_input": CASES, "commands": COMMAND_CASES, "resume": RESUME_REFUSALS, "BAD_RECIPES": BAD_RECIPES}
+    checked = rows()
+    assert len(checked) > 40
+    for messages, cases in checked:
+        assert all(case in tables[kind] for kind, case in cases), cases
+        assert 1 <= len(messages) <= len(cases), (messages, cases)  # every message has its case
+
+
 def contents(run_dir: Path) -> dict[Path, bytes]:
     """Every file of a run directory but its lock (which records the last process to hold it)."""
     return {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
@@ -162,13 +222,91 @@ def contents(run_dir: Path) -> dict[Path, bytes]:
 def test_bad_input_exits_2_with_one_sentence(tmp_path, cache_dir, capsys, case):
     make_args, message, starts_ranks = CASES[case]
     run_dir = tmp_path / "run"
-    args = ("run", *make_args(tmp_path, cache_dir, run_dir), "--out", str(run_dir))
+    args = make_args(tmp_path, cache_dir, run_dir)
+    args = ("run", *args, *([] if "--out" in args else ["--out", str(run_dir)]))
+    before = contents(tmp_path)
     done = zoa(*args) if starts_ranks else zoa_here(capsys, *args)
     check_one_sentence(done, message)
-    if starts_ranks:
+    check_documented("bad_input", case, done.stderr)
+    if starts_ranks:  # they created the new run directory before the data failed them
         assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
-    else:
-        assert not run_dir.exists()
+    else:  # refused before anything was written
+        assert contents(tmp_path) == before and run_dir.exists() == any(p.is_relative_to(run_dir) for p in before)
+
+
+def run_with_metrics(line: str, recipe: str = ""):
+    """A run directory whose metrics.jsonl holds `line` (and recipe.yaml `recipe`, if given)."""
+
+    def args(tmp):
+        (tmp / "run").mkdir()
+        (tmp / "run" / "metrics.jsonl").write_text(line + "\n")
+        if recipe:
+            (tmp / "run" / "recipe.yaml").write_text(recipe)
+        return ["report", str(tmp / "run"), "--out", str(tmp / "report")]
+
+    return args
+
+
+def json_into_a_directory(command: list[str]):
+    """An evaluation whose --json names a directory: refused before the checkpoint (which does not exist) is read."""
+
+    def args(tmp):
+        (tmp / "results.json").mkdir()
+        return [*command, "--checkpoint", str(tmp / "no-checkpoint"), "--data", str(tmp / "no-data"), "--json", str(tmp / "results.json")]
+
+    return args
+
+
+def deepspeed_config_with(text: str):
+    return lambda tmp: (tmp.joinpath("ds.json").write_text(text), ["convert-deepspeed", str(tmp / "ds.json")])[1]
+
+
+# name: (arguments(tmp_path) -> the whole command line, expected text in the sentence). Every case is refused
+# before any work, in this process, and leaves tmp_path as the arguments left it.
+COMMAND_CASES = {
+    "plan for zero nodes": (lambda tmp: ["plan", RECIPE, "--nodes", "0"], "--nodes must be at least 1, not 0"),
+    "plan for negative ranks": (lambda tmp: ["plan", RECIPE, "--world-size", "-2"], "--world-size must be at least 1, not -2"),
+    "plan for nodes of no GPU": (lambda tmp: ["plan", RECIPE, "--gpus-per-node", "0"], "--gpus-per-node must be at least 1, not 0"),
+    "bench comm without GPUs for nccl": (lambda tmp: ["bench", "comm", "--backend", "nccl", "--sizes", "1k"], "--backend nccl needs a GPU for each of the 2"),
+    "bench comm of more memory than there is": (lambda tmp: ["bench", "comm", "--sizes", "1024G"], "--sizes 1,099,511,627,776 elements need about"),
+    "report on records that are not objects": (run_with_metrics("[1, 2]"), "metrics.jsonl line 1 is a JSON list, not an object"),
+    "report on a record of another kind": (run_with_metrics('{"step": 1, "loss": "low"}'), 'metrics.jsonl line 1 has loss "low", which is not a number'),
+    "report on a recipe with a key twice": (
+        run_with_metrics('{"step": 1, "loss": 2.0}', "optimizer: {name: adam}\noptimizer: {name: zero_one_adam}\n"),
+        "recipe.yaml gives the key optimizer twice in one mapping (lines 1 and 2)",
+    ),
+    "report into a file": (
+        lambda tmp: (a_file_in_the_way(tmp), ["report", str(tmp), "--out", str(tmp / "file" / "report")])[1],
+        "cannot create report directory",
+    ),
+    "eval wikitext --json into a directory": (json_into_a_directory(["eval", "wikitext"]), "--json …/results.json is a directory"),
+    "eval lambada --json into a directory": (json_into_a_directory(["eval", "lambada"]), "results.json is a directory; name the file to write"),
+    "eval imagenet --json into a directory": (json_into_a_directory(["eval", "imagenet"]), "results.json is a directory; name the file to write"),
+    "eval glue --json where no directory can be made": (
+        lambda tmp: ["eval", "glue", "--checkpoint", str(tmp), "--task", "rte", "--json", str(a_file_in_the_way(tmp) / "glue.json")],
+        "cannot write --json …/file/glue.json: …/file is not a directory",
+    ),
+    "export into a file": (lambda tmp: ["export", str(tmp), str(a_file_in_the_way(tmp) / "hf")], "cannot create output directory"),
+    "DeepSpeed config with a key twice": (
+        deepspeed_config_with('{"optimizer": {"type": "Adam"}, "optimizer": {"type": "OneBitAdam"}}'),
+        "ds.json gives the key optimizer twice in one object; keep one",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMMAND_CASES))
+def test_every_command_refuses_bad_input_in_one_sentence_before_any_work(tmp_path, capsys, case):
+    import torch
+
+    if case == "bench comm without GPUs for nccl" and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs that 2 NCCL ranks need: nothing to refuse")
+    make_args, message = COMMAND_CASES[case]
+    args = make_args(tmp_path)
+    before = contents(tmp_path), sorted(tmp_path.rglob("*"))
+    done = zoa_here(capsys, *args)
+    check_one_sentence(done, message.replace("…", str(tmp_path)))
+    check_documented("commands", case, done.stderr)
+    assert (contents(tmp_path), sorted(tmp_path.rglob("*"))) == before  # not a file or directory more
 
 
 @pytest.mark.parametrize(
@@ -267,6 +405,7 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(one_rank_run, tmp_p
     checkpoint = run_dir / "checkpoints" / "step_00000001"
     done = zoa_here(capsys, "run", RECIPE, "--out", str(run_dir), "--resume", str(checkpoint), *quick(cache_dir, "train.steps=3", *settings))
     check_one_sentence(done, message)
+    check_documented("resume", case, done.stderr)
     assert contents(run_dir) == before
     assert not (tmp_path / "called").exists()
 

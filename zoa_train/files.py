@@ -103,9 +103,14 @@ def check_output_file(path: Path, option: str) -> None:
     path = Path(path)
     if path.is_dir():
         raise UserError(f"{option} {path} is a directory; name the file to write.")
-    if path.exists() and not os.access(path, os.W_OK):
-        raise UserError(f"{option} {path} is not writable.")
-    check_directory(path.parent, f"the directory of {option}")
+    found = _nearest_existing(path)
+    if found == path.absolute():
+        problem = None if os.access(found, os.W_OK) else "it is not writable"
+    else:
+        problem = None if found.is_dir() else f"{found} is not a directory"
+        problem = problem or (None if os.access(found, os.W_OK | os.X_OK) else f"{found} is not writable")
+    if problem:
+        raise UserError(f"cannot write {option} {path}: {problem}.")
 
 
 def write_json_file(path: Path, value, option: str) -> None:
