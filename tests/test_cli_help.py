@@ -95,3 +95,30 @@ def test_tables_are_printed_whole_where_stdout_is_not_a_terminal(monkeypatch):
     package = Path(zoa_train.__file__).parent
     own = [str(p.relative_to(package)) for p in package.rglob("*.py") if "Console(" in p.read_text() and p.name != "console.py"]
     assert not own
+
+
+def test_json_output_is_json_even_for_infinite_values():
+    """A value that is infinite or NaN (a perplexity that overflowed) is null in --json output: Python's
+    Infinity and NaN are not JSON. Every command prints its JSON through files.dumps_json."""
+    import ast
+    import json
+    import math
+    from pathlib import Path
+
+    from zoa_train.files import dumps_json
+
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+
+    text = dumps_json({"token_perplexity": math.inf, "pearson": [math.nan, -math.inf], "loss": 1.5}, indent=2)
+    assert json.loads(text, parse_constant=refuse) == {"token_perplexity": None, "pearson": [None, None], "loss": 1.5}
+    package = Path(zoa_train.__file__).parent
+    own = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, (ast.Name, ast.Attribute)):
+                name = node.func.id if isinstance(node.func, ast.Name) else node.func.attr
+                dumped = any(isinstance(a, ast.Call) and getattr(a.func, "attr", None) == "dumps" for a in node.args)
+                if (name == "print" and dumped) or name == "print_json":
+                    own.append(f"{path.relative_to(package)}:{node.lineno}")
+    assert not own, own
