@@ -498,7 +498,7 @@ def bench_comm(
     if ranks_per_node < 0 or (ranks_per_node and (world % ranks_per_node or world == ranks_per_node)):
         fail(f"--ranks-per-node must divide the {world} ranks into two or more nodes, not {ranks_per_node}.")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if cluster_environment() is not None else nproc
-    check_bench_comm_machine(backend, local, max(numels))
+    check_bench_comm_machine(backend, local, max(numels, default=0))
     if cluster_environment() is None:
         rows = launch_local(rank_main, nproc, numels, repeats, backend or None, ranks_per_node)[0]
     else:
@@ -562,18 +562,16 @@ def check_bench_comm_machine(backend: str, local_ranks: int, numel: int) -> None
     from zoa_train.optim.plan import format_bytes
 
     gpus = torch.cuda.device_count()
-    if (backend or ("nccl" if gpus else "gloo")) == "nccl":
-        if gpus < local_ranks:
-            fail(f"--backend nccl needs a GPU for each of the {local_ranks} local ranks and this machine has {gpus}; pass --backend gloo.")
-        free, where = min(torch.cuda.mem_get_info(i)[0] for i in range(local_ranks)), "free on its GPU"
-        per_rank = True
+    nccl = (backend or ("nccl" if gpus else "gloo")) == "nccl"
+    if nccl and gpus < local_ranks:
+        fail(f"--backend nccl needs a GPU for each of the {local_ranks} local ranks and this machine has {gpus}; pass --backend gloo.")
+    if nccl:  # each rank its own GPU, judged by its size (asking for its free memory would give this process a context on each)
+        room, where, whom = min(torch.cuda.get_device_properties(i).total_memory for i in range(local_ranks)), "on its GPU", "each rank"
     else:
-        free, where = available_memory(), "of memory available on this machine"
-        per_rank = False
-    need = BENCH_COMM_BYTES_PER_ELEMENT * numel * (1 if per_rank else local_ranks)
-    if need > free:
-        whom = "each rank" if per_rank else f"{local_ranks} ranks"
-        fail(f"--sizes {numel:,} elements need about {format_bytes(need)} for {whom} and there are {format_bytes(free)} {where}; pass smaller sizes.")
+        room, where, whom = available_memory(), "of memory available on this machine", f"{local_ranks} ranks"
+    need = BENCH_COMM_BYTES_PER_ELEMENT * numel * (1 if nccl else local_ranks)
+    if need > room:
+        fail(f"--sizes {numel:,} elements need about {format_bytes(need)} for {whom} and there are {format_bytes(room)} {where}; pass smaller sizes.")
 
 
 @bench_app.command("netsim")

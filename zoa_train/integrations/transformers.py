@@ -142,7 +142,9 @@ class ZoaTrainer(Trainer):
     """A `transformers.Trainer` that trains with one of zoa-train's self-syncing optimizers, without DDP.
 
     Give the optimizer as Trainer takes one, `optimizers=(optimizer, scheduler)` (a zoa_train.optim
-    optimizer built over the model on its device; scheduler None: Trainer's from TrainingArguments),
+    optimizer over the model's parameters, built before or after TrainingArguments starts the process
+    group: it is bound to the group here, on the device Trainer put the model on; scheduler None:
+    Trainer's from TrainingArguments),
     or by name: `zoa_optimizer="zero_one_adam", zoa_optimizer_kwargs={"var_freeze_step": 100}` (a
     recipe's optimizer name and knobs, the registry's defaults for the rest; lr, betas, eps and
     weight decay come from TrainingArguments). Everything else is Trainer's own arguments.

@@ -2,7 +2,9 @@
 the per-step record, and a state dict that carries everything of this rank.
 
 These optimizers do their own data-parallel communication: the model is not wrapped in DDP. At
-construction every parameter is broadcast from rank 0 so that all ranks start from the same point.
+construction (or, for one built before torch.distributed was initialised, when it is bound to the
+group: `bind()`, its first step) the ranks' parameter shapes are checked to agree and every parameter
+is broadcast from rank 0, so that all ranks start from the same point.
 A parameter whose .grad is None in a step counts as having a zero gradient, on every rank alike.
 """
 
