@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from zoa_train import files
 from zoa_train.errors import UserError
 from zoa_train.evaluation import glue
 
