@@ -132,7 +132,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(rundir, failing, no_space)
-    with pytest.raises(UserError, match=r"^could not write checkpoint step_00000008 under .*checkpoints: No space left on device; ") as e:
+    with pytest.raises(UserError, match=r"^could not write checkpoint step_00000008 under .*checkpoints: no space is left on the disk mounted at /.*; ") as e:
         _save(run, 8, keep=1)  # keep=1: pruning first would have lost step 4
     assert "\n" not in str(e.value)
     monkeypatch.undo()
@@ -278,7 +278,7 @@ def test_a_full_disk_fails_the_checkpoint_in_one_sentence_on_every_rank_and_keep
     out0, out1 = run_ranks(_fill_the_disk, 2, str(small_disk / "run"), timeout=120)
     checkpoints = small_disk / "run" / "checkpoints"
     assert out0["error"] == out1["error"] and out0["error"] is not None
-    assert out0["error"].startswith(f"could not write checkpoint step_00000002 under {checkpoints}: the disk mounted at {small_disk} is full (")
+    assert out0["error"].startswith(f"could not write checkpoint step_00000002 under {checkpoints}: no space is left on the disk mounted at {small_disk} (")
     assert "\n" not in out0["error"] and "enforce fail" not in out0["error"]
     assert out0["left"] == out1["left"] == ["step_00000001"]  # the staged step_00000002.tmp is gone
     assert out0["free_after"] == out0["free_before"]  # everything the failed write took is given back

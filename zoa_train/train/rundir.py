@@ -414,7 +414,7 @@ class RunDirectory:
             mount = self.checkpoints.resolve()
             while not os.path.ismount(mount):
                 mount = mount.parent
-            why = f"the disk mounted at {mount} is full ({usage.free if usage else 0:,} bytes free of {usage.total if usage else 0:,})"
+            why = f"no space is left on the disk mounted at {mount} ({usage.free if usage else 0:,} of {usage.total if usage else 0:,} bytes free)"
         else:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
         return f"could not write checkpoint {name} under {self.checkpoints}: {why}; its staged files are removed and the earlier checkpoints are untouched."
