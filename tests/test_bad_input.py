@@ -1,10 +1,10 @@
 """The bad-input catalogue (docs/bad-input.md): each case through the real CLI exits 2 with one sentence
-naming the key, file or value, no traceback, and leaves the user's files alone.
+naming the key, file or value, no traceback, leaves the user's files alone, and says what the catalogue
+documents for it (tests/catalogue.py).
 
-Cases tested elsewhere are not repeated here: tests/test_run.py (BAD_RECIPES: unknown key, wrong type,
-impossible value, batch layout, missing data file, unknown optimizer, NCCL without GPUs; a non-empty
-run directory, a world-size mismatch, a checkpoint of another optimizer, a missing recipe, a bad --set)
-and tests/test_tasks.py (bad image data)."""
+Tables: CASES (`zoa-train run`), COMMAND_CASES (the other commands), RESUME_REFUSALS (a resume refused,
+each against a copy of a run directory that must stay byte for byte the same); BAD_RECIPES are in
+tests/test_run.py, bad image data in tests/test_tasks.py. The library's own refusals come last."""
 
 import re
 import subprocess
