@@ -392,8 +392,13 @@ def test_plan_decisions_match_zero_one_adam(policy):
 
 @pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[1].glob("recipes/*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_is_valid(path):
+    import yaml
+
     recipe = load_recipe(path)
     assert recipe.train.global_batch_size % recipe.train.micro_batch_size == 0
+    # Each names its bias correction, so that the library's default (true since issue 35, false before)
+    # never changes what a recipe trains.
+    assert "bias_correction" in yaml.safe_load(path.read_text())["optimizer"]
 
 
 @pytest.mark.parametrize(
