@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
     model.to(accelerator.device)
     # 0/1 Adam by its recipe name and knobs (the registry's defaults for the rest); short warm-up and
     # a sync every 4 steps so that a few dozen steps reach the local steps.
-    zoa = build_optimizer(model, "zero_one_adam", lr=1e-3, var_freeze_step=4, local_steps="fixed", local_step_interval=4, bias_correction=True).optimizer
+    zoa = build_optimizer(model, "zero_one_adam", lr=1e-3, var_freeze_step=4, local_steps="fixed", local_step_interval=4).optimizer
     loader = DataLoader(byte_blocks(block=64, count=2048), batch_size=8, shuffle=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(zoa, lambda step: 1.0)
     model, optimizer, loader, scheduler = prepare_accelerate(accelerator, model, zoa, loader, scheduler)

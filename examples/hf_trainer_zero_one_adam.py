@@ -54,9 +54,14 @@ def main(argv: list[str] | None = None) -> None:
     model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0))
     # Short warm-ups so that a run of a few dozen steps reaches 0/1 Adam's local steps (1-bit Adam's 1-bit phase).
     knobs = {
-        "zero_one_adam": {"var_freeze_step": 4, "local_steps": "fixed", "local_step_interval": 4, "bias_correction": True},
-        "onebit_adam": {"freeze_step": 4, "bias_correction": True},
+        "zero_one_adam": {"var_freeze_step": 4, "local_steps": "fixed", "local_step_interval": 4},
+        "onebit_adam": {"freeze_step": 4},
     }.get(args.optimizer, {})
+    if args.own_optimizer:  # built before TrainingArguments starts the process group: ZoaTrainer binds it to the group
+        own = {"zero_one_adam": ZeroOneAdam, "onebit_adam": OneBitAdam}[args.optimizer](model.parameters(), lr=1e-3, **knobs)
+        choice = {"optimizers": (own, None)}  # None: Trainer's scheduler from TrainingArguments
+    else:  # by name, as a recipe names it: the registry's defaults for the knobs not given
+        choice = {"zoa_optimizer": args.optimizer, "zoa_optimizer_kwargs": knobs}
     training = TrainingArguments(
         output_dir=args.output_dir,
         max_steps=args.steps,
@@ -75,12 +80,6 @@ def main(argv: list[str] | None = None) -> None:
         dataloader_num_workers=0,
         disable_tqdm=True,
     )
-    if args.own_optimizer:  # after TrainingArguments, which starts the process group the optimizer communicates over,
-        model.to(training.device)  # and over the model on its device: the optimizer's state is laid out there once
-        own = {"zero_one_adam": ZeroOneAdam, "onebit_adam": OneBitAdam}[args.optimizer](model.parameters(), lr=training.learning_rate, **knobs)
-        choice = {"optimizers": (own, None)}  # None: Trainer's scheduler from TrainingArguments
-    else:  # by name, as a recipe names it: the registry's defaults for the knobs not given
-        choice = {"zoa_optimizer": args.optimizer, "zoa_optimizer_kwargs": knobs}
     trainer = ZoaTrainer(
         model=model,
         args=training,

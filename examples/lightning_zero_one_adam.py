@@ -28,8 +28,8 @@ CORPUS = Path(__file__).resolve().parents[1] / "zoa_train" / "data" / "corpus" /
 
 # Small warm-ups so that a run of a few dozen steps reaches the 1-bit phase (and 0/1 Adam's local steps).
 OPTIMIZERS = {
-    "zero_one_adam": lambda params, lr: ZeroOneAdam(params, lr=lr, var_freeze_step=4, local_steps="fixed", local_step_interval=4, bias_correction=True),
-    "onebit_adam": lambda params, lr: OneBitAdam(params, lr=lr, freeze_step=4, bias_correction=True),
+    "zero_one_adam": lambda params, lr: ZeroOneAdam(params, lr=lr, var_freeze_step=4, local_steps="fixed", local_step_interval=4),
+    "onebit_adam": lambda params, lr: OneBitAdam(params, lr=lr, freeze_step=4),
 }
 
 

@@ -1,10 +1,10 @@
 """The bad-input catalogue (docs/bad-input.md): each case through the real CLI exits 2 with one sentence
-naming the key, file or value, no traceback, and leaves the user's files alone.
+naming the key, file or value, no traceback, leaves the user's files alone, and says what the catalogue
+documents for it (tests/catalogue.py).
 
-Cases tested elsewhere are not repeated here: tests/test_run.py (BAD_RECIPES: unknown key, wrong type,
-impossible value, batch layout, missing data file, unknown optimizer, NCCL without GPUs; a non-empty
-run directory, a world-size mismatch, a checkpoint of another optimizer, a missing recipe, a bad --set)
-and tests/test_tasks.py (bad image data)."""
+Tables: CASES (`zoa-train run`), COMMAND_CASES (the other commands), RESUME_REFUSALS (a resume refused,
+each against a copy of a run directory that must stay byte for byte the same); BAD_RECIPES are in
+tests/test_run.py, bad image data in tests/test_tasks.py. The library's own refusals come last."""
 
 import re
 import subprocess
@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from catalogue import check_documented
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "gpt2_tiny.yaml")
@@ -63,15 +64,6 @@ def quick(cache_dir: Path, *extra: str) -> list[str]:
     )
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, cache_dir) -> Path:
-    """One real 2-step run with a checkpoint, shared by the resume cases."""
-    run_dir = tmp_path_factory.mktemp("finished") / "run"
-    done = zoa("run", RECIPE, "--out", str(run_dir), *quick(cache_dir))
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run_dir
-
-
 def recipe_file(text: str):
     return lambda tmp, cache, run: (tmp.joinpath("recipe.yaml").write_text(text), [str(tmp / "recipe.yaml")])[1]
 
@@ -109,6 +101,25 @@ def resume_from(where: str):
     return args
 
 
+def a_file_in_the_way(tmp: Path) -> Path:
+    """A file where a directory would have to be created: tmp/file/..."""
+    (tmp / "file").write_text("not a directory")
+    return tmp / "file"
+
+
+def non_empty_run_directory(tmp, cache, run):
+    run.mkdir()
+    (run / "notes.txt").write_text("kept")
+    return [RECIPE]
+
+
+def checkpoint_of_four_ranks(tmp, cache, run):
+    checkpoint = run / "checkpoints" / "step_00000004"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "COMPLETE").write_text("step 4\nworld_size 4\n")
+    return [RECIPE, "--resume", "auto"]
+
+
 # name: (arguments(tmp_path, cache_dir, run_dir) -> zoa run arguments, expected text in the sentence,
 #        whether ranks start first: they prepare the run directory (new and empty here) before reading data)
 CASES = {
@@ -143,6 +154,32 @@ CASES = {
     "brackets in the recipe's name": (bracketed_recipe, "gpt2[old][bold].yaml: model.n_embd 128 must be divisible by model.n_head 3", False),
     "missing recipe with brackets": (lambda tmp, cache, run: [str(tmp / "x[/y].yaml")], "x[/y].yaml does not exist", False),
     "negative --max-restarts": (lambda tmp, cache, run: [RECIPE, "--max-restarts", "-1"], "--max-restarts must be 0 or more, not -1", False),
+    "missing recipe": (lambda tmp, cache, run: [str(tmp / "nope.yaml")], "nope.yaml does not exist", False),
+    "--set without =": (lambda tmp, cache, run: [RECIPE, "--set", "noequals"], "--set 'noequals' must look like section.key=value", False),
+    "--reshard without --resume": (lambda tmp, cache, run: [RECIPE, "--reshard"], "--reshard continues a checkpoint at another number of ranks", False),
+    "non-empty run directory": (non_empty_run_directory, "is not empty: pass --resume auto to continue it or --overwrite", False),
+    "checkpoint of another world size": (checkpoint_of_four_ranks, "was written by 4 ranks and this run has 2", False),
+    "zero --nproc": (lambda tmp, cache, run: [RECIPE, "--nproc", "0"], "--nproc must be at least 1, not 0", False),
+    # issue 35: what the platform cannot hold, checked once in the schema (plan and run alike); keys given twice
+    "a key given twice": (
+        recipe_file("model:\n  kind: gpt2\noptimizer:\n  lr: 1.0e-3\noptimizer:\n  lr: 2.0e-3\n"),
+        "gives the key optimizer twice in one mapping (lines 3 and 5)",
+        False,
+    ),
+    "--set value that is not YAML": (recipe_with("optimizer.betas=[0.9"), "--set 'optimizer.betas=[0.9': the value is not valid YAML", False),
+    "seed beyond 64 bits": (recipe_with("train.seed=12345678901234567890123"), "train.seed must fit in 64 bits", False),
+    "timeout beyond a deadline": (recipe_with("train.timeout_s=100000000000000"), "train.timeout_s must be from 1 to 1,000,000,000", False),
+    "lr decayed below a float": (recipe_with("train.steps=250000"), "takes the lr from 0.003 to 1.27e-316 by step 250,000", False),
+    "run directory that cannot be created": (
+        lambda tmp, cache, run: [RECIPE, "--out", str(a_file_in_the_way(tmp) / "run")],
+        "cannot create run directory",
+        False,
+    ),
+    "data.cache_dir that cannot be created": (
+        lambda tmp, cache, run: [RECIPE, *sets(f"data.cache_dir={a_file_in_the_way(tmp) / 'cache'}")],
+        "cannot create data.cache_dir",
+        False,
+    ),
     # Unsupported combinations (issue 12, item 8): there is no key for splitting the model; asking for it names the reason.
     "ZeRO stage": (recipe_with("train.zero_stage=2"), "unknown key train.zero_stage; zoa-train is data-parallel only", False),
     "FSDP": (recipe_with("train.fsdp=true"), "unknown key train.fsdp; zoa-train is data-parallel only", False),
@@ -162,6 +199,20 @@ def check_one_sentence(done: subprocess.CompletedProcess, message: str) -> None:
     assert len(errors) == 1, done.stderr[-3000:]
 
 
+def test_the_catalogue_names_cases_that_exist_and_a_case_for_each_message():
+    """docs/bad-input.md's rows name cases of the tables here and in tests/test_run.py, whose tests check
+    each documented message against what zoa-train says (tests/catalogue.py)."""
+    from catalogue import rows
+    from test_run import BAD_RECIPES
+
+    tables = {"bad_input": CASES, "commands": COMMAND_CASES, "resume": RESUME_REFUSALS, "BAD_RECIPES": BAD_RECIPES}
+    checked = rows()
+    assert len(checked) > 40
+    for messages, cases in checked:
+        assert all(case in tables[kind] for kind, case in cases), cases
+        assert 1 <= len(messages) <= len(cases), (messages, cases)  # every message has its case
+
+
 def contents(run_dir: Path) -> dict[Path, bytes]:
     """Every file of a run directory but its lock (which records the last process to hold it)."""
     return {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
@@ -171,13 +222,91 @@ def contents(run_dir: Path) -> dict[Path, bytes]:
 def test_bad_input_exits_2_with_one_sentence(tmp_path, cache_dir, capsys, case):
     make_args, message, starts_ranks = CASES[case]
     run_dir = tmp_path / "run"
-    args = ("run", *make_args(tmp_path, cache_dir, run_dir), "--out", str(run_dir))
+    args = make_args(tmp_path, cache_dir, run_dir)
+    args = ("run", *args, *([] if "--out" in args else ["--out", str(run_dir)]))
+    before = contents(tmp_path)
     done = zoa(*args) if starts_ranks else zoa_here(capsys, *args)
     check_one_sentence(done, message)
-    if starts_ranks:
+    check_documented("bad_input", case, done.stderr)
+    if starts_ranks:  # they created the new run directory before the data failed them
         assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
-    else:
-        assert not run_dir.exists()
+    else:  # refused before anything was written
+        assert contents(tmp_path) == before and run_dir.exists() == any(p.is_relative_to(run_dir) for p in before)
+
+
+def run_with_metrics(line: str, recipe: str = ""):
+    """A run directory whose metrics.jsonl holds `line` (and recipe.yaml `recipe`, if given)."""
+
+    def args(tmp):
+        (tmp / "run").mkdir()
+        (tmp / "run" / "metrics.jsonl").write_text(line + "\n")
+        if recipe:
+            (tmp / "run" / "recipe.yaml").write_text(recipe)
+        return ["report", str(tmp / "run"), "--out", str(tmp / "report")]
+
+    return args
+
+
+def json_into_a_directory(command: list[str]):
+    """An evaluation whose --json names a directory: refused before the checkpoint (which does not exist) is read."""
+
+    def args(tmp):
+        (tmp / "results.json").mkdir()
+        return [*command, "--checkpoint", str(tmp / "no-checkpoint"), "--data", str(tmp / "no-data"), "--json", str(tmp / "results.json")]
+
+    return args
+
+
+def deepspeed_config_with(text: str):
+    return lambda tmp: (tmp.joinpath("ds.json").write_text(text), ["convert-deepspeed", str(tmp / "ds.json")])[1]
+
+
+# name: (arguments(tmp_path) -> the whole command line, expected text in the sentence). Every case is refused
+# before any work, in this process, and leaves tmp_path as the arguments left it.
+COMMAND_CASES = {
+    "plan for zero nodes": (lambda tmp: ["plan", RECIPE, "--nodes", "0"], "--nodes must be at least 1, not 0"),
+    "plan for negative ranks": (lambda tmp: ["plan", RECIPE, "--world-size", "-2"], "--world-size must be at least 1, not -2"),
+    "plan for nodes of no GPU": (lambda tmp: ["plan", RECIPE, "--gpus-per-node", "0"], "--gpus-per-node must be at least 1, not 0"),
+    "bench comm without GPUs for nccl": (lambda tmp: ["bench", "comm", "--backend", "nccl", "--sizes", "1k"], "--backend nccl needs a GPU for each of the 2"),
+    "bench comm of more memory than there is": (lambda tmp: ["bench", "comm", "--sizes", "1024G"], "--sizes 1,099,511,627,776 elements need about"),
+    "report on records that are not objects": (run_with_metrics("[1, 2]"), "metrics.jsonl line 1 is a JSON list, not an object"),
+    "report on a record of another kind": (run_with_metrics('{"step": 1, "loss": "low"}'), 'metrics.jsonl line 1 has loss "low", which is not a number'),
+    "report on a recipe with a key twice": (
+        run_with_metrics('{"step": 1, "loss": 2.0}', "optimizer: {name: adam}\noptimizer: {name: zero_one_adam}\n"),
+        "recipe.yaml gives the key optimizer twice in one mapping (lines 1 and 2)",
+    ),
+    "report into a file": (
+        lambda tmp: (a_file_in_the_way(tmp), ["report", str(tmp), "--out", str(tmp / "file" / "report")])[1],
+        "cannot create report directory",
+    ),
+    "eval wikitext --json into a directory": (json_into_a_directory(["eval", "wikitext"]), "--json …/results.json is a directory"),
+    "eval lambada --json into a directory": (json_into_a_directory(["eval", "lambada"]), "results.json is a directory; name the file to write"),
+    "eval imagenet --json into a directory": (json_into_a_directory(["eval", "imagenet"]), "results.json is a directory; name the file to write"),
+    "eval glue --json where no directory can be made": (
+        lambda tmp: ["eval", "glue", "--checkpoint", str(tmp), "--task", "rte", "--json", str(a_file_in_the_way(tmp) / "glue.json")],
+        "cannot write --json …/file/glue.json: …/file is not a directory",
+    ),
+    "export into a file": (lambda tmp: ["export", str(tmp), str(a_file_in_the_way(tmp) / "hf")], "cannot create output directory"),
+    "DeepSpeed config with a key twice": (
+        deepspeed_config_with('{"optimizer": {"type": "Adam"}, "optimizer": {"type": "OneBitAdam"}}'),
+        "ds.json gives the key optimizer twice in one object; keep one",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COMMAND_CASES))
+def test_every_command_refuses_bad_input_in_one_sentence_before_any_work(tmp_path, capsys, case):
+    import torch
+
+    if case == "bench comm without GPUs for nccl" and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the GPUs that 2 NCCL ranks need: nothing to refuse")
+    make_args, message = COMMAND_CASES[case]
+    args = make_args(tmp_path)
+    before = contents(tmp_path), sorted(tmp_path.rglob("*"))
+    done = zoa_here(capsys, *args)
+    check_one_sentence(done, message.replace("…", str(tmp_path)))
+    check_documented("commands", case, done.stderr)
+    assert (contents(tmp_path), sorted(tmp_path.rglob("*"))) == before  # not a file or directory more
 
 
 @pytest.mark.parametrize(
@@ -187,14 +316,98 @@ def test_bench_optim_refuses_a_device_it_cannot_time(capsys, device, message):
     check_one_sentence(zoa_here(capsys, "bench", "optim", "--device", device), message)
 
 
-def test_a_checkpoint_of_another_model_is_refused_and_the_run_is_left_alone(finished_run, cache_dir):
-    # The same optimizer and run directory, one layer more: --resume auto must not touch what is there.
-    # (A checkpoint of another optimizer: tests/test_run.py, test_gpt2_tiny_runs_end_to_end_and_resumes_exactly.)
-    before = contents(finished_run)
-    done = zoa("run", RECIPE, "--out", str(finished_run), "--resume", "auto", *quick(cache_dir, "model.n_layer=3"))
-    check_one_sentence(done, "holds another model")
-    after = contents(finished_run)
-    assert after == before
+# ---- a refused resume leaves the run directory as it was (issue 35) --------------------------------
+# Every check that can refuse a resume runs before anything in the run directory changes. The run is
+# one rank in this process (a launcher's environment: nothing to start), resumed from its first of two
+# checkpoints, so a metrics.jsonl trimmed too early would lose step 2's record.
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """This process as the only rank of a launcher's group: `zoa-train run` trains here."""
+    import torch
+    from distributed_harness import free_port
+
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def one_rank_run(tmp_path_factory, cache_dir) -> Path:
+    """A finished 2-step run of one rank with a checkpoint at each step, trained in this process."""
+    import torch
+    from distributed_harness import free_port
+
+    from zoa_train import cli
+
+    run_dir = tmp_path_factory.mktemp("one-rank") / "run"
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    threads = torch.get_num_threads()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        mp.setattr(sys, "argv", ["zoa-train", "run", RECIPE, "--out", str(run_dir), *quick(cache_dir, "train.checkpoint_every=1")])
+        with pytest.raises(SystemExit) as done:
+            cli.run()
+    torch.set_num_threads(threads)
+    assert done.value.code == 0
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
+    return run_dir
+
+
+def pickled_rank_file(run_dir: Path) -> None:
+    """rank_00000.pt rewritten, with its checksum, to hold an object that runs code when unpickled."""
+    import hashlib
+
+    import torch
+
+    checkpoint = run_dir / "checkpoints" / "step_00000001"
+    rank_file = checkpoint / "rank_00000.pt"
+    torch.save({"payload": PickledCall(run_dir.parent / "called")}, rank_file)
+    data = rank_file.read_bytes()
+    marker = checkpoint / "COMPLETE"
+    lines = [f"file rank_00000.pt {len(data)} {hashlib.sha256(data).hexdigest()}" if line.startswith("file rank_00000.pt ") else line
+             for line in marker.read_text().splitlines()]  # fmt: skip
+    marker.write_text("\n".join(lines) + "\n")
+
+
+def damaged_model_file(run_dir: Path) -> None:
+    model = run_dir / "checkpoints" / "step_00000001" / "model.pt"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model.write_bytes(bytes(data))
+
+
+# name: (how the run directory is spoiled first, or None; what the resume sets; the sentence's words)
+RESUME_REFUSALS = {
+    "another model": (None, ["model.n_layer=3"], "holds another model (12 tensors missing"),
+    "another optimizer": (None, ["optimizer.name=onebit_adam"], "this optimizer state is not a OneBitAdam state"),
+    "another task": (None, ["model.kind=bert"], "holds another model"),
+    "a damaged checkpoint": (damaged_model_file, [], "model.pt does not match the SHA-256 checksum recorded when it was written"),
+    "a pickled object": (pickled_rank_file, [], "rank_00000.pt holds a pickled"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESUME_REFUSALS))
+def test_a_refused_resume_leaves_the_run_directory_as_it_was(one_rank_run, tmp_path, cache_dir, capsys, one_rank, case):
+    import shutil
+
+    spoil, settings, message = RESUME_REFUSALS[case]
+    run_dir = tmp_path / "run"
+    shutil.copytree(one_rank_run, run_dir)
+    if spoil is not None:
+        spoil(run_dir)
+    before = contents(run_dir)
+    checkpoint = run_dir / "checkpoints" / "step_00000001"
+    done = zoa_here(capsys, "run", RECIPE, "--out", str(run_dir), "--resume", str(checkpoint), *quick(cache_dir, "train.steps=3", *settings))
+    check_one_sentence(done, message)
+    check_documented("resume", case, done.stderr)
+    assert contents(run_dir) == before
+    assert not (tmp_path / "called").exists()
 
 
 # ---- unsupported combinations with the 1-bit optimizers (issue 12, item 8) ----------------------
@@ -279,36 +492,17 @@ def test_a_run_directory_with_brackets_is_named_as_it_is(tmp_path, capsys):
     assert (run_dir / "notes.txt").read_text() == "kept"
 
 
-def test_a_checkpoint_holding_a_pickled_object_is_refused(finished_run, tmp_path, cache_dir):
-    """Checkpoints are read with torch's weights-only unpickler: a rank file that would run code when
-    loaded (rewritten with its checksum, as whoever could write it could) is refused in one sentence."""
-    import hashlib
-    import shutil
-
-    import torch
-
-    run_dir = tmp_path / "run"
-    shutil.copytree(finished_run, run_dir)
-    checkpoint = next((run_dir / "checkpoints").iterdir())
-    rank_file = checkpoint / "rank_00000.pt"
-    torch.save({"payload": PickledCall()}, rank_file)
-    data = rank_file.read_bytes()
-    marker = checkpoint / "COMPLETE"
-    lines = [f"file rank_00000.pt {len(data)} {hashlib.sha256(data).hexdigest()}" if line.startswith("file rank_00000.pt ") else line
-             for line in marker.read_text().splitlines()]  # fmt: skip
-    marker.write_text("\n".join(lines) + "\n")
-    done = zoa("run", RECIPE, "--out", str(run_dir), "--resume", "auto", *quick(cache_dir, "train.steps=3"))
-    check_one_sentence(done, "rank_00000.pt holds a pickled")
-    assert "reads no code from a checkpoint" in done.stderr and not (tmp_path / "called").exists()
-
-
 class PickledCall:
-    """Unpickled with torch's full unpickler, this would call os.system."""
+    """Unpickled with torch's full unpickler, this would call os.system and create `path` (checkpoints
+    are read with torch's weights-only unpickler, which refuses it)."""
+
+    def __init__(self, path: Path):
+        self.path = path
 
     def __reduce__(self):
         import os
 
-        return os.system, (f"touch {Path(__file__).parent}/called",)
+        return os.system, (f"touch {self.path}",)
 
 
 @pytest.mark.parametrize(
@@ -336,3 +530,84 @@ def test_the_library_names_a_sparse_gradient(name):
     embedding(torch.tensor([1, 2])).sum().backward()
     with pytest.raises(ValueError, match="a parameter has a sparse gradient, which these optimizers do not support"):
         opt.step()
+
+
+# ---- library misuse, in the project's words (issue 35) ----------------------------------------------
+
+
+def _parameters(case: str):
+    import torch
+
+    return {
+        "frozen": lambda: [torch.nn.Parameter(torch.zeros(3), requires_grad=False)],
+        "zero-size": lambda: [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.zeros(2, 0))],
+        "frozen and zero-size": lambda: [torch.nn.Parameter(torch.zeros(3), requires_grad=False), torch.nn.Parameter(torch.zeros(0))],
+        "empty groups": lambda: [{"params": []}, {"params": []}],
+    }[case]()
+
+
+@pytest.mark.parametrize("case", ["frozen", "zero-size", "frozen and zero-size", "empty groups"])
+@pytest.mark.parametrize("name", ["ZeroOneAdam", "OneBitAdam", "DataParallelAdam", "DiLoCo"])
+def test_an_optimizer_over_nothing_trainable_is_refused(name, case):
+    from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam
+    from zoa_train.optim.diloco import DiLoCo
+
+    cls = {"ZeroOneAdam": ZeroOneAdam, "OneBitAdam": OneBitAdam, "DataParallelAdam": DataParallelAdam, "DiLoCo": DiLoCo}[name]
+    with pytest.raises(ValueError, match=rf"^{name} has nothing to train: .*; pass the trainable ones"):
+        cls(_parameters(case), lr=0.01)
+
+
+def every_dtype():
+    """Every dtype torch has a zeros() for, the ones it may add later included."""
+    import warnings
+
+    import torch
+
+    found = []
+    for name in dir(torch):
+        dtype = getattr(torch, name)
+        if isinstance(dtype, torch.dtype) and dtype not in found:
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # experimental and deprecated dtypes say so
+                    torch.zeros(1, dtype=dtype)
+            except (RuntimeError, TypeError):  # quantized and other dtypes without plain tensors
+                continue
+            found.append(dtype)
+    return found
+
+
+def test_the_1bit_collectives_refuse_every_dtype_they_cannot_average():
+    import torch
+
+    from zoa_train.comm import OneBitAllReduce
+    from zoa_train.comm.onebit import ONEBIT_DTYPES
+
+    dtypes = every_dtype()
+    assert set(ONEBIT_DTYPES) < set(dtypes) and torch.float64 in dtypes and torch.int64 in dtypes
+    comm = OneBitAllReduce([[5], [3]])
+    for dtype in dtypes:
+        pair = [torch.zeros(5, dtype=dtype), torch.zeros(3, dtype=dtype)]
+        if dtype in ONEBIT_DTYPES:
+            assert comm.op(pair)[0].dtype == dtype
+            continue
+        for call in (comm.op, comm.exchange):
+            with pytest.raises(ValueError, match=rf"^OneBitAllReduce averages float32, bfloat16 or float16 tensors, not {dtype}$"):
+                call(pair)
+
+
+@pytest.mark.parametrize("sizes", [-1, [4, -3], [[4], [-3]]])
+def test_a_1bit_collective_of_negative_size_is_refused(sizes):
+    from zoa_train.comm import OneBitAllReduce
+
+    with pytest.raises(ValueError, match=r"^a 1-bit allreduce lays out tensors of 0 or more elements, not -\d$"):
+        OneBitAllReduce(sizes)
+
+
+def test_run_warns_of_a_setting_too_few_outer_steps_train(one_rank, tmp_path, cache_dir, capsys, caplog):
+    """The recipe's own optimizer's plan warning, said once by rank 0 before training (plan: tests/test_plan.py)."""
+    done = zoa_here(capsys, "run", RECIPE, "--out", str(tmp_path / "run"), *quick(cache_dir, "optimizer.name=diloco"))
+    assert done.returncode == 0, done.stderr
+    said = [r.getMessage() for r in caplog.records if "outer step(s), too few to train" in r.getMessage()]
+    assert said == ["optimizer.sync_every (500) leaves this run of 2 steps 0 outer step(s), too few to train (2 ended 8% above Adam on gpt2_tiny; "
+                    "bert_tiny reached Adam's loss with 9, docs/results.md): set sync_every to 1 or less."]  # fmt: skip

@@ -249,3 +249,32 @@ def test_resnet_run_is_refused(tmp_path):
     done = zoa("export", str(run), str(tmp_path / "out"))
     assert_one_sentence_exit_2(done, "resnet18", "GPT-2 or BERT")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resnet"]
+
+
+def test_a_checkpoint_that_rotation_removes_while_it_is_read_gives_way_to_the_newest(gpt2_run, tmp_path, monkeypatch, caplog):
+    """A run still training writes step 5 and its rotation removes step 3 right after export chose step 3:
+    the export reads the newest complete checkpoint once more (its files then held open) and says so."""
+    from zoa_train.train import rundir
+
+    run = tmp_path / "run"
+    shutil.copytree(gpt2_run, run)
+    chosen = []
+
+    def rotated_meanwhile(path):
+        model_file, found_run = rundir_resolve(path)
+        if not chosen:
+            checkpoint = model_file.parent
+            newer = checkpoint.with_name("step_00000005")
+            shutil.copytree(checkpoint, newer)
+            marker = newer / "COMPLETE"
+            marker.write_text(marker.read_text().replace("step 3\n", "step 5\n"))
+            shutil.rmtree(checkpoint)
+        chosen.append(model_file.parent.name)
+        return model_file, found_run
+
+    rundir_resolve = rundir.resolve_model_file
+    monkeypatch.setattr(rundir, "resolve_model_file", rotated_meanwhile)
+    result = export_language_model(run, tmp_path / "hf")
+    assert chosen == ["step_00000003", "step_00000005"] and result.step == 5
+    assert f"checkpoint {run / 'checkpoints' / 'step_00000003'} was removed while it was being read" in caplog.text
+    assert json.loads((tmp_path / "hf" / RECORD).read_text())["checkpoint_step"] == 5

@@ -138,6 +138,7 @@ zoa.synchronize()
 accelerator.save_state(DIRECTORY)
 save_rank_state(zoa, DIRECTORY)
 saved = own_state(zoa)
+accelerator.wait_for_everyone()  # the other ranks leave save_state before the main process has written: rank 1 once loaded too soon
 accelerator.load_state(DIRECTORY)
 by_accelerate = own_state(zoa)
 load_rank_state(zoa, DIRECTORY)

@@ -60,8 +60,8 @@ def test_exact_compressor_zero_one_adam_equals_adam_when_every_step_updates_the_
 
 def test_exact_compressor_zero_one_adam_follows_algorithm_1_through_freeze_and_local_steps():
     knobs = dict(var_freeze_step=12, var_update_scaler=2, local_steps="lr", local_step_clip=4)
-    # update_clip off: Algorithm 1 has no clipping (and on this problem the clip would act).
-    ranks = run_ranks(_train_quadratic, 2, "zero_one", dict(knobs, weight_decay=0.1, update_clip=None), 50, True, LR)
+    # update_clip off: Algorithm 1 has no clipping (and on this problem the clip would act); nor bias correction.
+    ranks = run_ranks(_train_quadratic, 2, "zero_one", dict(knobs, weight_decay=0.1, update_clip=None, bias_correction=False), 50, True, LR)
     lr = LRSchedule(**LR)
     xs, ms = zero_one_adam_reference(x0(), quadratic_grad, 2, 50, lr, ZeroOneSchedule(**knobs), weight_decay=0.1)
     records = ranks[0][2]
@@ -79,7 +79,8 @@ def restarting_lr(t: int) -> float:
 
 def test_exact_compressor_zero_one_adam_follows_algorithm_1_when_the_interval_shrinks():
     knobs = dict(var_freeze_step=8, var_update_scaler=2, local_steps="lr", local_step_clip=8)
-    ranks = run_ranks(_train_quadratic, 2, "zero_one", dict(knobs, weight_decay=0.1, update_clip=None), 40, True, restarting_lr)
+    algorithm_1 = dict(knobs, weight_decay=0.1, update_clip=None, bias_correction=False)
+    ranks = run_ranks(_train_quadratic, 2, "zero_one", algorithm_1, 40, True, restarting_lr)
     xs, ms = zero_one_adam_reference(x0(), quadratic_grad, 2, 40, restarting_lr, ZeroOneSchedule(**knobs), weight_decay=0.1)
     syncs = [t for t, rec in enumerate(ranks[0][2]) if rec.synced]
     # a sync that ends more local steps than its own interval (the displacement of all must count)
@@ -178,7 +179,8 @@ def _steps_after_a_gradient_jump(rank, world_size, update_clip):
     """RMS of each step / lr on the 1-bit steps after the gradient grows 1,000x, before the freeze."""
     x = torch.nn.Parameter(torch.zeros(4096))
     lr = 0.01
-    opt = ZeroOneAdam([x], lr=lr, var_freeze_step=100, var_update_scaler=1, update_clip=update_clip)
+    # No bias correction: the step is then lr times the clipped m/d, whose RMS the clip bounds.
+    opt = ZeroOneAdam([x], lr=lr, var_freeze_step=100, var_update_scaler=1, update_clip=update_clip, bias_correction=False)
     sizes = []
     for t in range(7):  # variance steps at 0, 1, 3 (and 7): steps 4, 5, 6 use the v of step 3
         g = torch.Generator().manual_seed(100 * rank + t)
@@ -362,7 +364,7 @@ def test_a_recipe_without_optimizer_keys_gets_the_library_defaults():
     built = registry.create(recipe_from_dict({}).optimizer, model, torch.device("cpu"), 1).optimizer
     library = ZeroOneAdam(model.parameters())
     assert built.schedule.state_dict() == library.schedule.state_dict()
-    assert built.param_groups[0]["bias_correction"] == library.defaults["bias_correction"] is False
+    assert built.param_groups[0]["bias_correction"] == library.defaults["bias_correction"] is True  # as torch.optim.Adam
     assert built.param_groups[0]["update_clip"] == library.defaults["update_clip"]
     onebit = registry.create(recipe_from_dict({"optimizer": {"name": "onebit_adam"}}).optimizer, model, torch.device("cpu"), 1).optimizer
     assert onebit.freeze_step == OneBitAdam(model.parameters()).freeze_step
@@ -483,3 +485,98 @@ def test_each_optimizer_documents_itself(cls):
     for name in inspect.signature(cls).parameters:
         if name != "params":
             assert name in doc, (cls, name)
+
+
+# ---- an optimizer built before the process group, and ranks given different models (issue 35) ----------
+
+
+def _built_before_the_group(rank, world_size, port, bound):
+    """Train 3 steps with ZeroOneAdam built after the process group, and again with one built before it
+    (the group torn down and started again around the build), bound to the group by bind() (as an
+    integration does, before any gradient: each rank may start from its own model), at its first
+    step (every rank's model alike: that step's gradients were computed before the broadcast), or
+    after a step on its own. Returns both results."""
+    from zoa_train.distributed import init_process_group
+
+    def model():
+        torch.manual_seed(rank if bound == "bind" else 0)
+        return torch.nn.Parameter(torch.randn(DIM))
+
+    def train(x, opt, first=0):
+        for t in range(first, 3):
+            x.grad = quadratic_grad(rank, t, x.detach())
+            opt.step()
+        opt.synchronize()  # step 2 is a local step
+        return x.detach().clone()
+
+    knobs = dict(lr=0.01, var_freeze_step=2, local_steps="fixed", local_step_interval=2)
+    x = model()
+    after = train(x, ZeroOneAdam([x], **knobs))
+    dist.destroy_process_group()
+    x = model()
+    early = ZeroOneAdam([x], **knobs)
+    built_over = early.world_size
+    first = 0
+    if bound == "after a step":  # a step on its own before the group exists: the ranks' states would differ
+        x.grad = quadratic_grad(rank, 0, x.detach())
+        early.step()
+        first = 1
+    init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    if bound == "bind":
+        early.bind()
+    try:
+        before = train(x, early, first)
+    except ValueError as e:
+        return {"error": str(e)}
+    return {"built_over": built_over, "bound_over": early.world_size, "after": after, "before": before}
+
+
+@pytest.mark.parametrize("bound", ["bind", "first step"])
+def test_an_optimizer_built_before_the_process_group_joins_it(bound):
+    from distributed_harness import free_port
+
+    ranks = run_ranks(_built_before_the_group, 2, free_port(), bound)
+    for r in ranks:
+        assert r["built_over"] == 1 and r["bound_over"] == 2
+        assert torch.equal(r["before"], r["after"])  # bit for bit what an optimizer built over the group trains
+    assert torch.equal(ranks[0]["before"], ranks[1]["before"])  # and the ranks agree (rank 0's start was broadcast)
+
+
+def test_an_optimizer_that_stepped_before_the_process_group_is_refused_on_every_rank():
+    from distributed_harness import free_port
+
+    ranks = run_ranks(_built_before_the_group, 2, free_port(), "after a step")
+    assert ranks[0]["error"] == ranks[1]["error"]
+    assert ranks[0]["error"].startswith("ZeroOneAdam took 1 steps on one rank before torch.distributed was initialised")
+
+
+DIFFERENT_MODELS = {  # the parameter shapes of rank 0 and rank 1, and what the sentence says of them
+    "another shape": ([(4, 4)], [(4, 5)], "rank 0 has 1 parameter groups of 1 tensors (16 elements), rank 1 1 of 1 (20 elements)"),
+    "a tensor more": ([(4, 4), (4,)], [(4, 4)], "rank 0 has 1 parameter groups of 2 tensors (20 elements), rank 1 1 of 1 (16 elements)"),
+    "the same sizes": ([(2, 8)], [(8, 2)], "(16 elements) of other shapes"),  # only the fingerprint of the shapes tells
+}
+
+
+def _different_models(rank, world_size):
+    """Every optimizer over every case of DIFFERENT_MODELS: the error each construction raised, or None.
+    The check comes before anything else is sent, so the ranks go on to the next case together."""
+    from zoa_train.optim.diloco import DiLoCo
+
+    errors = {}
+    for cls in (ZeroOneAdam, OneBitAdam, DataParallelAdam, DiLoCo):
+        for case, shapes in DIFFERENT_MODELS.items():
+            try:
+                cls([torch.nn.Parameter(torch.zeros(shape)) for shape in shapes[rank]], lr=0.01)
+                errors[cls.__name__, case] = None
+            except ValueError as e:
+                errors[cls.__name__, case] = str(e)
+    return errors
+
+
+def test_ranks_given_different_models_are_refused_when_the_optimizer_is_built():
+    errors = run_ranks(_different_models, 2)
+    assert errors[0] == errors[1]
+    assert len(errors[0]) == 4 * len(DIFFERENT_MODELS)
+    for (name, case), error in errors[0].items():
+        assert error is not None and error.startswith(f"{name}: the ranks were given different models:"), (name, case, error)
+        assert DIFFERENT_MODELS[case][2] in error, (name, case, error)

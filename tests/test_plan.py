@@ -3,6 +3,7 @@ cases, the unit parsers, and agreement with what ZeroOneAdam actually decides st
 
 import io
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -394,8 +395,13 @@ def test_plan_decisions_match_zero_one_adam(policy):
 
 @pytest.mark.parametrize("path", sorted(Path(__file__).resolve().parents[1].glob("recipes/*.yaml")), ids=lambda p: p.name)
 def test_every_shipped_recipe_is_valid(path):
+    import yaml
+
     recipe = load_recipe(path)
     assert recipe.train.global_batch_size % recipe.train.micro_batch_size == 0
+    # Each names its bias correction, so that the library's default (true since issue 35, false before)
+    # never changes what a recipe trains.
+    assert "bias_correction" in yaml.safe_load(path.read_text())["optimizer"]
 
 
 @pytest.mark.parametrize(
@@ -437,3 +443,35 @@ def test_a_lr_policy_that_never_takes_a_local_step_is_said_once():
     assert "warning" not in fixed["zero_one_adam"]
     short = plan(20, LRSchedule("constant", lr=1e-2), 2, 1000, bandwidth_bytes_per_s=1e9, latency_s=0.0, **knobs)  # ends at the freeze
     assert "warning" not in short["zero_one_adam"]
+
+
+@pytest.mark.parametrize(
+    "knobs, warned",
+    [
+        (dict(sync_every=500), "optimizer.sync_every (500) leaves this run of 1,200 steps 2 outer step(s), too few to train"),
+        (dict(sync_every=151), "set sync_every to 150 or less"),  # 7 outer steps
+        (dict(sync_every=150), None),  # 8
+        (dict(sync_every=8, fragments=4), None),
+    ],
+)
+def test_diloco_with_too_few_outer_steps_is_said_once(knobs, warned):
+    planned = plan(1200, LRSchedule("constant", lr=1e-3), 2, 1000, bandwidth_bytes_per_s=1e9, latency_s=0.0, **knobs)["diloco"]
+    assert planned.get("warning") is None if warned is None else warned in planned["warning"]
+
+
+@pytest.mark.parametrize("freeze_step, warned", [(100_000, True), (1200, True), (1199, False), (240, False)])
+def test_powersgd_that_never_compresses_is_said_once(freeze_step, warned):
+    planned = plan(1200, LRSchedule("constant", lr=1e-3), 2, 1000, bandwidth_bytes_per_s=1e9, latency_s=0.0, freeze_step=freeze_step)["powersgd"]
+    assert ("so powersgd never compresses" in planned.get("warning", "")) is warned
+
+
+def test_plan_says_a_warning_in_one_line(capsys, monkeypatch):
+    """On stderr, for every optimizer it plans (run says its own optimizer's: tests/test_bad_input.py)."""
+    from zoa_train import cli
+
+    monkeypatch.setattr(sys, "argv", ["zoa-train", "plan", str(Path(__file__).resolve().parents[1] / "recipes" / "gpt2_tiny.yaml")])
+    with pytest.raises(SystemExit) as done:
+        cli.run()
+    assert done.value.code == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning (diloco): ")]
+    assert len(lines) == 1 and "2 outer step(s), too few to train" in lines[0]

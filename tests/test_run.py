@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from catalogue import check_documented
 
 from zoa_train.optim import registry
 
@@ -205,6 +206,7 @@ def test_bad_recipes_exit_2_with_one_sentence(tmp_path, case):
     done = zoa("run", str(write_recipe(tmp_path, edit)), "--out", str(tmp_path / "run"))
     assert done.returncode == 2
     assert message in done.stderr and "Traceback" not in done.stderr
+    check_documented("BAD_RECIPES", case, done.stderr)
     assert len(done.stderr.strip().splitlines()) <= 2
     assert not (tmp_path / "run").exists()
 

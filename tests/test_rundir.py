@@ -5,6 +5,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -14,7 +15,7 @@ import torch
 
 from zoa_train.errors import UserError
 from zoa_train.train import rundir
-from zoa_train.train.rundir import RunDirectory, read_manifest, read_marker
+from zoa_train.train.rundir import RunDirectory, read_manifest, read_marker, verify_checkpoint
 
 
 def test_check_refuses_what_a_run_must_not_touch(tmp_path):
@@ -34,7 +35,7 @@ def test_check_refuses_what_a_run_must_not_touch(tmp_path):
         RunDirectory(tmp_path / "file").check(None, True, 1)
 
 
-def test_prepare_empties_with_overwrite_and_trims_metrics_on_resume(tmp_path):
+def test_prepare_empties_with_overwrite_and_a_resume_trims_metrics_only_when_asked(tmp_path):
     run = RunDirectory(tmp_path / "run")
     run.prepare(None, False, 1, 0)
     records = [{"step": s, "loss": 1.0} for s in (1, 2, 3, 4, 5)]
@@ -42,7 +43,10 @@ def test_prepare_empties_with_overwrite_and_trims_metrics_on_resume(tmp_path):
     saved = run.save(3, 0, 1, {"x": torch.ones(2)}, {"model.pt": {"w": torch.zeros(1)}}, keep=2)
     assert saved.name == "step_00000003" and (saved / "COMPLETE").is_file() and not list(run.checkpoints.glob("*.tmp"))
 
+    before = (run.path / "metrics.jsonl").read_bytes()
     assert run.prepare("auto", False, 1, 0) == saved
+    assert (run.path / "metrics.jsonl").read_bytes() == before  # the trainer trims once the checkpoint is loaded
+    run.trim_metrics(3)
     assert [json.loads(line)["step"] for line in (run.path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
     assert torch.equal(run.load(saved, "rank_00000.pt")["x"], torch.ones(2))
     with pytest.raises(UserError, match="written by 1 ranks and this run has 2"):
@@ -128,7 +132,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(rundir, failing, no_space)
-    with pytest.raises(UserError, match=r"^could not write checkpoint step_00000008 under .*checkpoints: No space left on device; ") as e:
+    with pytest.raises(UserError, match=r"^could not write checkpoint step_00000008 under .*checkpoints: no space is left on the disk mounted at /.*; ") as e:
         _save(run, 8, keep=1)  # keep=1: pruning first would have lost step 4
     assert "\n" not in str(e.value)
     monkeypatch.undo()
@@ -238,3 +242,44 @@ def test_two_ranks_agree_on_damage_and_on_a_failed_save(tmp_path):
     assert out0["resumed"] == out1["resumed"] == "step_00000002"
     assert "could not write checkpoint step_00000006" in out0["error"] and out0["error"] == out1["error"]
     assert out0["left"] == out1["left"] == ["step_00000002", "step_00000004"]
+
+
+def _fill_the_disk(rank, world_size, path):
+    """Step 1 fits on the small disk; step 2's rank-1 file does not."""
+    run = RunDirectory(path)
+    run.prepare(None, False, world_size, rank)
+    run.save(1, rank, world_size, {"r": torch.zeros(1 << 16)}, {"model.pt": {"w": torch.ones(2)}} if rank == 0 else {}, keep=2)
+    free = shutil.disk_usage(path).free
+    try:
+        run.save(2, rank, world_size, {"r": torch.zeros((1 << 21) if rank == 1 else 1)}, {"model.pt": {"w": torch.ones(2)}} if rank == 0 else {}, keep=2)
+        error = None
+    except UserError as e:
+        error = str(e)
+    left = sorted(p.name for p in run.checkpoints.iterdir())
+    run.close()
+    return {"error": error, "left": left, "free_before": free, "free_after": shutil.disk_usage(path).free}
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs (root can mount one, as CI runs the tests); skipped where it cannot be mounted."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "--lazy", str(mount)], check=True)
+
+
+def test_a_full_disk_fails_the_checkpoint_in_one_sentence_on_every_rank_and_keeps_the_earlier_one(small_disk):
+    from distributed_harness import run_ranks
+
+    out0, out1 = run_ranks(_fill_the_disk, 2, str(small_disk / "run"), timeout=120)
+    checkpoints = small_disk / "run" / "checkpoints"
+    assert out0["error"] == out1["error"] and out0["error"] is not None
+    assert out0["error"].startswith(f"could not write checkpoint step_00000002 under {checkpoints}: no space is left on the disk mounted at {small_disk} (")
+    assert "\n" not in out0["error"] and "enforce fail" not in out0["error"]
+    assert out0["left"] == out1["left"] == ["step_00000001"]  # the staged step_00000002.tmp is gone
+    assert out0["free_after"] == out0["free_before"]  # everything the failed write took is given back
+    assert verify_checkpoint(checkpoints / "step_00000001") is None

@@ -20,6 +20,11 @@ def positive_or_null(value) -> str | None:
     return None if value is None or value > 0 else "must be positive or null"
 
 
+def from_to(low: int, high: int) -> Check:
+    """An integer from `low` to `high`, both included: "must be from 1 to 1,000,000,000"."""
+    return lambda value: None if low <= value <= high else f"must be from {low:,} to {high:,}"
+
+
 def unset_or(check: Check) -> Check:
     """`check`, for a value that may also be null (not set)."""
     return lambda value: None if value is None else check(value)

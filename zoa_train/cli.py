@@ -10,7 +10,6 @@ zoa-train bench comm --sizes 1M,16M,64M --nproc 2        fp32 allreduce vs 1-bit
 sudo zoa-train bench netsim --ranks 2 --bandwidth 100mbit  each optimizer over emulated network links
 """
 
-import json
 import os
 import shutil
 import sys
@@ -24,6 +23,7 @@ from rich.table import Table
 from zoa_train import __version__
 from zoa_train import console as zoa_console
 from zoa_train.errors import UserError
+from zoa_train.files import dumps_json
 
 app = typer.Typer(help="Communication-efficient distributed training with 0/1 Adam.", no_args_is_help=True, rich_markup_mode=None)
 bench_app = typer.Typer(help="Benchmarks that print ratios measured in one run.", no_args_is_help=True, rich_markup_mode=None)
@@ -56,7 +56,9 @@ def main(
 def run_command(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe, e.g. recipes/gpt2_tiny.yaml.")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
-    nproc: Annotated[int, typer.Option(help="Local ranks to start when not under torchrun/srun. [default: the recipe's train.nproc]", show_default=False)] = 0,
+    nproc: Annotated[
+        int | None, typer.Option(help="Local ranks to start when not under torchrun/srun. [default: the recipe's train.nproc]", show_default=False)
+    ] = None,
     out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]", show_default=False)] = None,
     resume: Annotated[str, typer.Option(help="auto (latest complete checkpoint in the run directory) or a checkpoint directory.")] = "",
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Empty a non-empty run directory first.")] = False,
@@ -78,6 +80,7 @@ def run_command(
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
     from zoa_train.config import check_batch_layout, load_recipe
     from zoa_train.distributed import LauncherSignalled, RankFailed, cluster_environment, launch_local
+    from zoa_train.files import check_directory
     from zoa_train.train.rundir import RunDirectory
     from zoa_train.train.trainer import CollectiveTimeout, run_rank
 
@@ -91,13 +94,14 @@ def run_command(
         fail(
             "--max-restarts restarts ranks that zoa-train run starts itself; under torchrun pass --max-restarts to torchrun (a restarted rank resumes by itself), under srun let Slurm requeue the job."
         )
+    if nproc is not None and nproc < 1:
+        fail(f"--nproc must be at least 1, not {nproc}.")
     if cluster_environment() is None:
         world = nproc or config.train.nproc
-        if world < 1:
-            fail("--nproc must be at least 1.")
         check_batch_layout(config, world, str(recipe))
         check_local_gpus(config.train.backend, world)
         RunDirectory(run_dir).check(resume or None, overwrite, world, reshard)  # before any rank starts; every rank checks again
+        check_directory(Path(config.data.cache_dir).expanduser(), "data.cache_dir")
     try:
         if cluster_environment() is None:
             results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite, reshard, max_restarts=max_restarts)
@@ -240,11 +244,11 @@ def slurm_command(
 def plan_command(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe: its optimizer knobs, lr schedule, steps and model size are read.")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
-    nodes: Annotated[int, typer.Option(help="Nodes to plan for. [default: 64, or --world-size / --gpus-per-node]", show_default=False)] = 0,
+    nodes: Annotated[int | None, typer.Option(help="Nodes to plan for. [default: 64, or --world-size / --gpus-per-node]", show_default=False)] = None,
     gpus_per_node: Annotated[
         int, typer.Option(help="Ranks in each node; above 1 the 1-bit optimizers are planned flat and node-aware. [default: 1]", show_default=False)
     ] = 1,
-    world_size: Annotated[int, typer.Option(help="All ranks, instead of --nodes: --world-size / --gpus-per-node nodes.", show_default=False)] = 0,
+    world_size: Annotated[int | None, typer.Option(help="All ranks, instead of --nodes: --world-size / --gpus-per-node nodes.", show_default=False)] = None,
     bandwidth: Annotated[
         str, typer.Option(help="Each node's link to the others, each way, e.g. 10Gbit, 100Gbit, 25GB. [default: 10Gbit]", show_default=False)
     ] = "10Gbit",
@@ -284,11 +288,14 @@ def plan_command(
     from zoa_train.optim.plan import StepCosts, format_plan, parse_bandwidth, parse_latency, plan
 
     config = load_recipe(recipe, set_)
-    if gpus_per_node < 1 or min(nodes, world_size, backward_fraction, compress_rate, reduce_rate) < 0:
-        fail("--gpus-per-node must be at least 1, and --nodes, --world-size, --backward-fraction, --compress-rate and --reduce-rate not negative.")
-    if nodes and world_size:
+    for option, count in (("--nodes", nodes), ("--world-size", world_size), ("--gpus-per-node", gpus_per_node)):
+        if count is not None and count < 1:
+            fail(f"{option} must be at least 1, not {count}.")
+    if not (0 <= backward_fraction <= 1 and compress_rate >= 0 and reduce_rate >= 0 and params >= 0):
+        fail("--backward-fraction must be in [0, 1], and --compress-rate, --reduce-rate and --params not negative.")
+    if nodes is not None and world_size is not None:
         fail("give --nodes or --world-size, not both.")
-    if world_size and world_size % gpus_per_node:
+    if world_size is not None and world_size % gpus_per_node:
         fail(f"--gpus-per-node {gpus_per_node} does not divide --world-size {world_size}.")
     ranks = world_size or (nodes or 64) * gpus_per_node
     costs = None
@@ -313,7 +320,7 @@ def plan_command(
         param_shapes=shapes,
     )
     if as_json:
-        print(json.dumps(result))
+        print(dumps_json(result))
         return
     console.print(format_plan(result))
     for name, record in result.items():
@@ -401,18 +408,20 @@ def eval_imagenet(
 ) -> None:
     """Top-1 and top-5 accuracy and the loss of a ResNet over every image of a validation set; split over the ranks under torchrun or srun."""
     from zoa_train.evaluation.imagenet import evaluate_imagenet
+    from zoa_train.files import check_output_file, write_json_file
     from zoa_train.models import RESNETS
 
     if batch_size < 1 or workers < 0 or resize_size < 0 or crop_size < 0:
         fail("--batch-size must be at least 1, and --workers, --resize-size and --crop-size not negative.")
     if model and model not in RESNETS:
         fail(f"--model must be one of {', '.join(RESNETS)}, not {model!r}.")
+    if json_out is not None:
+        check_output_file(json_out, "--json")  # before the evaluation: its result must have somewhere to go
     result = evaluate_imagenet(checkpoint, data, batch_size, workers, model or None, resize_size or None, crop_size or None)
     if result is None:  # not rank 0
         return
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json_file(json_out, result, "--json")
     table = Table(title=f"{result['model']} on {result['data']}")
     for name in ("images", "top-1", "top-5", "loss"):
         table.add_column(name, justify="right")
@@ -451,7 +460,7 @@ def bench_ops(
     if calls < 1 or scale < 1 or block_size < 0:
         fail("--calls and --scale must be at least 1 and --block-size 0 (the default) or more.")
     groups = [[max(1, size // scale) for size in sizes] for sizes in bert_large_groups()]
-    console.print_json(data=launch_local(profile_rank, nproc, groups, calls, block_size or None, per_group, None)[0])
+    print(dumps_json(launch_local(profile_rank, nproc, groups, calls, block_size or None, per_group, None)[0], indent=2))
 
 
 @bench_app.command("comm")
@@ -488,6 +497,8 @@ def bench_comm(
     world = int(os.environ["WORLD_SIZE"]) if cluster_environment() is not None else nproc
     if ranks_per_node < 0 or (ranks_per_node and (world % ranks_per_node or world == ranks_per_node)):
         fail(f"--ranks-per-node must divide the {world} ranks into two or more nodes, not {ranks_per_node}.")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if cluster_environment() is not None else nproc
+    check_bench_comm_machine(backend, local, max(numels, default=0))
     if cluster_environment() is None:
         rows = launch_local(rank_main, nproc, numels, repeats, backend or None, ranks_per_node)[0]
     else:
@@ -497,7 +508,7 @@ def bench_comm(
         nproc = world
     result = {"nproc": nproc, "backend": backend or "default", "repeats": repeats, "ranks_per_node": ranks_per_node, "results": rows}
     if as_json:
-        print(json.dumps(result))
+        print(dumps_json(result))
         return
     table = Table(title=f"fp32 allreduce vs 1-bit allreduce, {nproc} ranks")
     kernels = rows[0]["kernels"] if rows else "?"
@@ -533,6 +544,40 @@ def bench_comm(
         console.print(nodes)
 
 
+# What bench comm holds per rank and element of its largest size (zoa_train/bench/comm.py): the input,
+# its exact average, fp32 and bf16 work copies, the running sum and a clone per call, two 1-bit
+# collectives' buffers and errors, and on rank 0 the codec's buffers: about 44 bytes, rounded up.
+BENCH_COMM_BYTES_PER_ELEMENT = 48
+
+
+def available_memory() -> int:
+    """Bytes of memory this machine can give new processes (Linux's MemAvailable: free and reclaimable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_bench_comm_machine(backend: str, local_ranks: int, numel: int) -> None:
+    """Refuse a backend or a size this machine cannot give `local_ranks` ranks, before starting any."""
+    import torch
+
+    from zoa_train.optim.plan import format_bytes
+
+    gpus = torch.cuda.device_count()
+    nccl = (backend or ("nccl" if gpus else "gloo")) == "nccl"
+    if nccl and gpus < local_ranks:
+        fail(f"--backend nccl needs a GPU for each of the {local_ranks} local ranks and this machine has {gpus}; pass --backend gloo.")
+    if nccl:  # each rank its own GPU, judged by its size (asking for its free memory would give this process a context on each)
+        room, where, whom = min(torch.cuda.get_device_properties(i).total_memory for i in range(local_ranks)), "on its GPU", "each rank"
+    else:
+        room, where, whom = available_memory(), "of memory available on this machine", f"{local_ranks} ranks"
+    need = BENCH_COMM_BYTES_PER_ELEMENT * numel * (1 if nccl else local_ranks)
+    if need > room:
+        fail(f"--sizes {numel:,} elements need about {format_bytes(need)} for {whom} and there are {format_bytes(room)} {where}; pass smaller sizes.")
+
+
 @bench_app.command("netsim")
 def bench_netsim(
     recipe: Annotated[Path, typer.Option(help="The recipe every optimizer trains. [default: recipes/gpt2_tiny.yaml]", show_default=False)] = Path(
@@ -540,12 +585,12 @@ def bench_netsim(
     ),
     ranks: Annotated[int, typer.Option(help="Ranks, one network namespace (node) each; see --nodes. [default: 2]", show_default=False)] = 2,
     nodes: Annotated[
-        int,
+        int | None,
         typer.Option(
             help="Emulated nodes, one network namespace each, of --ranks-per-node ranks that talk over its loopback (replaces --ranks). [default: --ranks nodes of 1]",
             show_default=False,
         ),
-    ] = 0,
+    ] = None,
     ranks_per_node: Annotated[
         int, typer.Option(help="Ranks in each of --nodes; above 1 the 1-bit optimizers train flat and node-aware. [default: 1]", show_default=False)
     ] = 1,
@@ -596,9 +641,10 @@ def bench_netsim(
 
     if steps < 0:
         fail("--steps must be positive (0 keeps the recipe's train.steps).")
-    if nodes < 0 or ranks_per_node < 1:
-        fail(f"--nodes must be positive and --ranks-per-node at least 1, not {nodes} and {ranks_per_node}.")
-    if ranks_per_node > 1 and not nodes:
+    for option, count in (("--nodes", nodes), ("--ranks-per-node", ranks_per_node)):
+        if count is not None and count < 1:
+            fail(f"{option} must be at least 1, not {count}.")
+    if ranks_per_node > 1 and nodes is None:
         fail("--ranks-per-node needs --nodes: pass --nodes N --ranks-per-node G for N namespaces of G ranks.")
     world = nodes * ranks_per_node if nodes else ranks
     if not 0 <= margin < 1:
@@ -638,7 +684,7 @@ def bench_netsim(
         zoa_console.error(str(e))
         raise typer.Exit(1) from None
     if as_json:
-        print(json.dumps(result))
+        print(dumps_json(result))
     else:
         from zoa_train.bench.netsim import format_netsim
 
@@ -668,7 +714,7 @@ def bench_optim(
         fail(f"--device {device}: this machine has no such device (CUDA available: {torch.cuda.is_available()}).")
     result = run_optimizer_bench(params_millions, repeats, threads or None, device)
     if as_json:
-        print(json.dumps(result, default=str))
+        print(dumps_json(result, default=str))
     else:
         console.print(format_optimizer_bench(result))
 
@@ -688,7 +734,7 @@ def bench_loader(
         fail("--batches must be at least 1.")
     result = run_loader_bench(load_recipe(recipe, set_), batches)
     if as_json:
-        print(json.dumps(result))
+        print(dumps_json(result))
         return
     console.print(
         f"loader {result['loader_s_per_batch'] * 1e3:.2f} ms/batch ({result['loader_units_per_s']:,.0f} {result['unit']}/s), "

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from zoa_train import checks
 from zoa_train.comm.kernels import CHOICES as KERNEL_CHOICES
 from zoa_train.comm.topology import TOPOLOGIES
 from zoa_train.errors import UserError
+from zoa_train.files import load_yaml
 from zoa_train.models.builders import MODEL_PRESETS, ModelConfig, model_shape
 from zoa_train.optim import LRSchedule, registry
 
@@ -164,7 +166,7 @@ def load_recipe(path: str | Path, overrides: list[str] = ()) -> Recipe:
     if not path.is_file():
         raise UserError(f"recipe file {path} does not exist.")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        data = load_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
     except UnicodeDecodeError:
         raise UserError(f"{path} is not a text file (YAML in UTF-8); is it the recipe?") from None
     except yaml.YAMLError as e:
@@ -211,7 +213,10 @@ def apply_override(data: dict, override: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise UserError(f"--set {override!r}: {part} is not a section.")
-    node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    try:
+        node[parts[-1]] = load_yaml(text, f"--set {override!r}") if text.strip() else None
+    except yaml.YAMLError:
+        raise UserError(f"--set {override!r}: the value is not valid YAML.") from None
 
 
 # Keys other trainers use to shard or split the model (DeepSpeed's zero_optimization, FSDP, Megatron's
@@ -280,10 +285,16 @@ def _coerce(value, kind, origin: str, key: str):
             pass
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise UserError(f"{origin}: {key} must be {kind.__name__}, not {value!r}.")
+    if kind is int and not -(2**63) <= value < 2**63:  # what torch (seeds, step counters) and the C++ below it can hold
+        raise UserError(f"{origin}: {key} must fit in 64 bits (at most {2**63 - 1:,}), not {value}.")
     if kind is float and not math.isfinite(value):
         raise UserError(f"{origin}: {key} must be a finite number, not {value}.")
     return value
 
+
+# A collective's deadline is counted in nanoseconds in 64 bits (Gloo, NCCL): about 292 years from the
+# clock's start can be held; a billion seconds (31 years) stays well inside it.
+MAX_TIMEOUT_S = 10**9
 
 # What each numeric key must be, checked in this order (each optimizer's registry entry adds its own
 # knobs'); rules that involve several keys or a value's meaning are in _check.
@@ -293,7 +304,7 @@ CHECKS: dict[str, checks.Check] = {
     "train.micro_batch_size": checks.positive,
     "train.nproc": checks.positive,
     "train.log_every": checks.positive,
-    "train.timeout_s": checks.positive,
+    "train.timeout_s": checks.from_to(1, MAX_TIMEOUT_S),
     "train.val_batches": checks.positive,
     "train.keep_checkpoints": checks.positive,
     "train.grad_clip": checks.non_negative,
@@ -335,6 +346,13 @@ def _check(recipe: Recipe, origin: str) -> None:
             raise UserError(f"{origin}: {key} {problem}, not {list(value) if isinstance(value, tuple) else value}.")
     if recipe.schedule.name == "cosine" and recipe.schedule.min_lr > o.lr:
         raise UserError(f"{origin}: schedule.min_lr {recipe.schedule.min_lr} is above optimizer.lr {o.lr}; the cosine schedule decays from lr down to min_lr.")
+    final_lr = recipe.lr_schedule()(recipe.train.steps - 1)
+    if recipe.schedule.name == "exponential" and final_lr < sys.float_info.min:
+        raise UserError(
+            f"{origin}: the exponential schedule (schedule.decay_factor {recipe.schedule.decay_factor} every {recipe.schedule.decay_every:,} steps) "
+            f"takes the lr from {o.lr} to {final_lr:.3g} by step {recipe.train.steps:,}, below the smallest normal float ({sys.float_info.min:.3g}); "
+            "decay more slowly or train fewer steps."
+        )
     if m.kind in MODEL_PRESETS and not m.init_from:  # init_from: the pretrained model's own shape
         try:  # the preset name, custom's three sizes, n_embd divisible by n_head: before any rank starts
             model_shape(m)

@@ -18,6 +18,7 @@ from matplotlib.patches import Patch
 from matplotlib.ticker import FormatStrFormatter
 
 from zoa_train.errors import UserError
+from zoa_train.files import check_directory, make_directory
 from zoa_train.optim import registry
 from zoa_train.runs import RunLog, first_reaching, read_run
 from zoa_train.step_kinds import FULL, LOCAL, LOW_RANK, ONEBIT, OUTER, STEP_KINDS, VARIANCE
@@ -222,11 +223,12 @@ def plot_step_kinds(runs: list[RunLog], path: Path) -> list[str]:
 
 
 def write_report(paths: list[Path], out: Path) -> Report:
+    check_directory(out, "report directory")  # before reading the runs
     runs, notes = load_runs(paths)
     target = best_common_loss(runs)
     columns, rows = table(runs, target)
     markdown = markdown_table(columns, rows)
-    out.mkdir(parents=True, exist_ok=True)
+    make_directory(out, "report directory")
     images = {"loss.png": "Loss", "bits_per_param.png": "Bits per parameter", "step_kinds.png": "Step kinds"}
     plot_losses(runs, out / "loss.png")
     plot_bits(runs, out / "bits_per_param.png")

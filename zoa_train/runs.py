@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from zoa_train.errors import UserError
+from zoa_train.files import load_yaml
 
 
 @dataclass
@@ -46,23 +47,57 @@ class RunLog:
 
 
 def read_run(path: str | Path) -> RunLog:
-    """Load a run directory; a missing or unreadable one is a UserError naming the path."""
+    """Load a run directory; a missing one, or files that are not what zoa-train run writes, is a
+    UserError naming the file and line."""
     path = Path(path)
     metrics = path / "metrics.jsonl"
     if not metrics.is_file():
         raise UserError(f"{path} is not a run directory (no metrics.jsonl).")
     records = []
-    for number, line in enumerate(metrics.read_text().splitlines(), 1):
+    try:
+        lines = metrics.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError:
+        raise UserError(f"{metrics} is not a text file of JSON records.") from None
+    for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             raise UserError(f"{metrics} line {number} is not valid JSON.") from None
-    recipe_file = path / "recipe.yaml"
-    recipe = yaml.safe_load(recipe_file.read_text()) if recipe_file.is_file() else {}
-    records.sort(key=lambda r: r.get("step", 0))
-    return RunLog(path, recipe or {}, records)
+        problem = _record_problem(record)
+        if problem:
+            raise UserError(f"{metrics} line {number} {problem}; each line must be a record that zoa-train run logs.")
+        records.append(record)
+    records.sort(key=lambda r: r["step"])
+    return RunLog(path, _read_recipe(path / "recipe.yaml"), records)
+
+
+def _record_problem(record) -> str | None:
+    """What makes `record` unlike a metrics record (an object with a step, an integer 0 or more, every
+    other value a number but step_kinds, a string), or None."""
+    if not isinstance(record, dict):
+        return f"is a JSON {type(record).__name__}, not an object"
+    for key, value in record.items():
+        wanted = str if key == "step_kinds" else int if key == "step" else (int, float)
+        if not isinstance(value, wanted) or isinstance(value, bool):
+            return f"has {key} {json.dumps(value)}, which is not {'a string' if wanted is str else 'an integer' if wanted is int else 'a number'}"
+    if record.get("step", -1) < 0:
+        return "has no step (an integer, 0 or more)"
+    return None
+
+
+def _read_recipe(path: Path) -> dict:
+    """The resolved recipe beside the metrics ({} if there is none); its optimizer names the run's optimizer."""
+    if not path.is_file():
+        return {}
+    try:
+        recipe = load_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
+    except (UnicodeDecodeError, yaml.YAMLError):
+        raise UserError(f"{path} is not a YAML recipe.") from None
+    if not isinstance(recipe, dict) or not isinstance(recipe.get("optimizer", {}), dict):
+        raise UserError(f"{path} is not a recipe (a mapping of sections, optimizer among them).")
+    return recipe
 
 
 def first_reaching(run: RunLog, target: float, key: str = "val_loss") -> dict | None:

@@ -34,6 +34,7 @@ from pathlib import Path
 import yaml
 
 from zoa_train.errors import UserError
+from zoa_train.files import make_directory
 
 SCRIPT = "job.sbatch"
 RECIPE = "recipe.yaml"
@@ -266,7 +267,7 @@ def write_job(job: SlurmJob, recipe: dict, run_dir: Path, workdir: Path) -> Path
     from zoa_train.data.cache import atomic_write_text
 
     slurm_dir = run_dir / "slurm"
-    slurm_dir.mkdir(parents=True, exist_ok=True)
+    make_directory(slurm_dir, "run directory")
     atomic_write_text(slurm_dir / RECIPE, yaml.safe_dump(recipe, sort_keys=False))
     script = slurm_dir / SCRIPT
     atomic_write_text(script, render_script(job, run_dir, workdir))

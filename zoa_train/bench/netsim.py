@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoa_train.errors import UserError
+from zoa_train.files import dumps_json, make_directory
 from zoa_train.optim import registry
 from zoa_train.optim.plan import Cluster, allreduce_cost, flat_onebit_cost, format_bytes, optimizer_table, parse_bandwidth, parse_latency
 from zoa_train.runs import RunLog, first_reaching, mean_step_seconds, read_run, step_seconds_by_kind
@@ -397,7 +398,7 @@ def prepare_run_dir(path: Path) -> None:
         if not ((path / "metrics.jsonl").exists() or (path / "recipe.yaml").exists()):
             raise UserError(f"{path} exists and is not a run directory: choose another --out.")
         shutil.rmtree(path)
-    path.mkdir(parents=True, exist_ok=True)
+    make_directory(path, "run directory")
 
 
 def run_netsim(
@@ -440,7 +441,7 @@ def run_netsim(
     out = out.resolve()
     for label in runs:
         prepare_run_dir(out / label)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
+    make_directory(out / "logs", "--out")
 
     result = {
         "ranks": ranks, "nodes": topo.nodes, "ranks_per_node": ranks_per_node, "bandwidth": bandwidth, "bandwidth_bits_per_s": rate_bits,
@@ -476,7 +477,7 @@ def run_netsim(
     if num_params:
         element_size = 4 if load_recipe(recipe, overrides).optimizer.allreduce_dtype == "fp32" else 2
         result["plan_inputs"] = plan_inputs(result, num_params, element_size)
-    (out / "netsim.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / "netsim.json").write_text(dumps_json(result, indent=1) + "\n")
     return result
 
 

@@ -90,6 +90,8 @@ def onebit_layout(sizes: int | Sequence[int], world_size: int, scale_row: int = 
     then dealt out in n equal chunks, padded with empty rows.
     """
     sizes = (int(sizes),) if isinstance(sizes, int) else tuple(int(size) for size in sizes)
+    if any(size < 0 for size in sizes):
+        raise ValueError(f"a 1-bit allreduce lays out tensors of 0 or more elements, not {min(sizes)}")
     numel = sum(sizes)
     if world_size < 2 or numel <= 0:
         return OneBitLayout(sizes, tuple(accumulate((0,) + sizes))[: len(sizes)], numel, 0, 0, 0, 0)
@@ -177,6 +179,9 @@ def _group_device(group) -> torch.device:
     return torch.device("cpu")
 
 
+ONEBIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the 1-bit collectives average
+
+
 class LaidOutCollective:
     """What a collective of buffers in 1-bit layouts does the same whatever its topology: `op` on
     buffers in the layouts or packed, the full-precision `allreduce`, and moving saved buffers
@@ -232,6 +237,8 @@ class LaidOutCollective:
         for t in tensors:
             if t.device != self.device:
                 raise ValueError(f"{type(self).__name__}'s buffers are on {self.device}, got a tensor on {t.device}")
+            if t.dtype not in ONEBIT_DTYPES:  # the math is fp32: any other dtype would come back wrong
+                raise ValueError(f"{type(self).__name__} averages float32, bfloat16 or float16 tensors, not {t.dtype}")
         return tensors
 
     def layout_state(self) -> list[dict]:

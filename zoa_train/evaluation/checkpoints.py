@@ -8,6 +8,7 @@ ranks' average, and `averaged_ranks` says how many were averaged.
 """
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import torch
 from zoa_train.errors import UserError
 
 FAMILIES = {"gpt2": "GPT-2", "bert": "BERT"}
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,9 +65,8 @@ def _load_checkpoint(path: Path) -> LoadedModel:
 
     from zoa_train.config import load_recipe
     from zoa_train.models import build_bert, build_gpt2
-    from zoa_train.train.rundir import MARKER, read_marker, resolve_model_file
 
-    model_file, run = resolve_model_file(path)
+    model_file, run, state, ranks, step = _read_state(path)
     if run is None:
         raise UserError(f"{model_file} lies outside a run directory: its recipe.yaml and tokenizer/ are needed to rebuild the model.")
     recipe = load_recipe(run.path / "recipe.yaml")
@@ -83,25 +85,74 @@ def _load_checkpoint(path: Path) -> LoadedModel:
         model = build_gpt2(cfg, len(tokenizer), recipe.data.seq_len, tokenizer.eos_token_id)
     else:
         model = build_bert(cfg, len(tokenizer), recipe.data.seq_len, tokenizer.pad_token_id)
-    state, ranks = _averaged_state(model_file)
     try:
         model.load_state_dict(state)
     except RuntimeError as e:
         raise UserError(f"{model_file} does not fit the model of {run.path / 'recipe.yaml'}: {str(e).strip().splitlines()[0]}") from None
-    checkpoint = model_file.parent
-    step = read_marker(checkpoint).get("step") if (checkpoint / MARKER).is_file() else None
     return LoadedModel(model, tokenizer, kind, step, str(model_file), ranks)
 
 
-def _averaged_state(model_file: Path) -> tuple[dict, int]:
-    """model.pt, or the average of the ranks' own models when the checkpoint holds them (floats are
-    averaged, integer buffers taken from rank 0)."""
-    state = _read(model_file)
-    per_rank = []
-    for rank_file in sorted(model_file.parent.glob("rank_*.pt")):
-        saved = _read(rank_file)
-        if isinstance(saved, dict) and "model" in saved:
-            per_rank.append(saved["model"])
+def _read_state(path: Path):
+    """(model file, its run directory, the model's state, ranks averaged, the checkpoint's step or None)
+    of what `path` names."""
+    from zoa_train.train.rundir import resolve_model_file
+
+    model_file, run = resolve_model_file(path)
+    try:
+        held = _hold(model_file)
+    except FileNotFoundError:
+        # A run still training rotates its checkpoints: the latest one may be gone by now. Once more, the
+        # newest complete one, whose files are then held open (a removal cannot take them away).
+        if not (path / "checkpoints").is_dir():
+            raise UserError(f"checkpoint {model_file.parent} was removed while it was being read.") from None
+        gone = model_file.parent
+        model_file, run = resolve_model_file(path)
+        log.warning("checkpoint %s was removed while it was being read (the run is rotating its checkpoints); reading %s instead", gone, model_file.parent)
+        held = _hold(model_file)
+    step = _step(model_file.parent)
+    return model_file, run, *_averaged_state(held), step
+
+
+def _step(checkpoint: Path) -> int | None:
+    """The step a checkpoint's marker records (None for a model file outside a checkpoint, or a marker
+    removed since its files were opened: the step is then unknown, not wrong)."""
+    from zoa_train.train.rundir import read_marker
+
+    try:
+        return read_marker(checkpoint).get("step")
+    except FileNotFoundError:
+        return None
+
+
+def _hold(model_file: Path) -> dict[Path, object]:
+    """model.pt and the rank files beside it, each opened now (FileNotFoundError if one is gone): what is
+    read from them later is what they held now, even if the checkpoint is removed meanwhile."""
+    files = [model_file, *sorted(model_file.parent.glob("rank_*.pt"))]
+    held = {}
+    try:
+        for file in files:
+            held[file] = open(file, "rb")
+    except BaseException:
+        for f in held.values():
+            f.close()
+        raise
+    return held
+
+
+def _averaged_state(held: dict[Path, object]) -> tuple[dict, int]:
+    """model.pt (the first of the held files), or the average of the ranks' own models when the
+    checkpoint holds them (floats are averaged, integer buffers taken from rank 0)."""
+    (model_file, opened), *rank_files = held.items()
+    try:
+        state = _read(model_file, opened)
+        per_rank = []
+        for rank_file, rank_opened in rank_files:
+            saved = _read(rank_file, rank_opened)
+            if isinstance(saved, dict) and "model" in saved:
+                per_rank.append(saved["model"])
+    finally:
+        for f in held.values():
+            f.close()
     if not per_rank:
         return state, 1
     averaged = {}
@@ -113,13 +164,13 @@ def _averaged_state(model_file: Path) -> tuple[dict, int]:
     return averaged, len(per_rank)
 
 
-def _read(file: Path):
-    """A checkpoint file, tensors and plain values only (train/rundir.py: read_checkpoint_file); a file
-    torch cannot read (truncated, not a checkpoint) refused in one sentence too."""
+def _read(file: Path, opened):
+    """A checkpoint file (`opened`, its open file), tensors and plain values only (train/rundir.py:
+    read_checkpoint_file); a file torch cannot read (truncated, not a checkpoint) refused in one sentence too."""
     from zoa_train.train.rundir import read_checkpoint_file
 
     try:
-        return read_checkpoint_file(file)
+        return read_checkpoint_file(file, opened=opened)
     except UserError:
         raise
     except Exception as e:  # noqa: BLE001 -- unpickling, zip and version errors alike: the file is unusable

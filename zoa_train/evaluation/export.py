@@ -28,6 +28,7 @@ from typing import Annotated
 import typer
 
 from zoa_train.errors import UserError
+from zoa_train.files import check_directory
 
 RECORD = "zoa_export.json"
 LOADERS = {"GPT2LMHeadModel": "AutoModelForCausalLM", "BertForPreTraining": "AutoModelForPreTraining", "BertForMaskedLM": "AutoModelForMaskedLM"}
@@ -114,6 +115,7 @@ def _check_destination(checkpoint: Path, out_dir: Path, shown: Path, overwrite: 
     directory that holds none of what the export reads."""
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"output directory {shown} exists and is not a directory.")
+    check_directory(shown, "output directory")
     if not out_dir.is_dir() or not any(out_dir.iterdir()):
         return
     if any(out_dir == p or out_dir in p.parents for p in _read_paths(checkpoint)):

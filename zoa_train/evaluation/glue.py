@@ -718,16 +718,6 @@ def format_glue(result: dict):
     return table
 
 
-def _json_safe(value):
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _json_safe(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_json_safe(v) for v in value]
-    return value
-
-
 def glue_command(
     checkpoint: Annotated[
         Path,
@@ -755,13 +745,15 @@ def glue_command(
 ) -> None:
     """Fine-tune a BERT checkpoint on GLUE tasks and score it on their dev splits (run_glue's metrics; under torchrun or srun, DDP over the ranks)."""
     from zoa_train import console as zoa_console
+    from zoa_train.files import check_output_file, write_json_file
 
+    if json_out is not None:
+        check_output_file(json_out, "--json")  # before the fine-tuning: its result must have somewhere to go
     result = evaluate_glue(checkpoint, task, data_dir, set_, seeds, say=zoa_console.err.print)
     if result is None:  # not rank 0
         return
     if json_out is not None:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(_json_safe(result), indent=2) + "\n")
+        write_json_file(json_out, result, "--json")
     console = zoa_console.out
     step = result["checkpoint"]["step"]
     console.print(f"{result['checkpoint']['source']}" + (f" (step {step})" if step is not None else ""), highlight=False, soft_wrap=True)

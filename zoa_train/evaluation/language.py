@@ -507,12 +507,6 @@ def _described(loaded, source: str) -> dict:
     return {"checkpoint": loaded.source, "step": loaded.step, "averaged_ranks": loaded.averaged_ranks, "data": source}
 
 
-def _write_json(path: Path | None, result: dict) -> None:
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result, indent=2) + "\n")
-
-
 def _number(x: float) -> str:
     return f"{x:,.3f}" if math.isfinite(x) else "inf"
 
@@ -618,11 +612,15 @@ def wikitext_command(
     from rich.table import Table
 
     from zoa_train import console as zoa_console
+    from zoa_train.files import check_output_file, write_json_file
 
+    if json_out is not None:
+        check_output_file(json_out, "--json")  # before the evaluation: its result must have somewhere to go
     result = evaluate_wikitext(checkpoint, data, seq_len, stride, batch_size, detokenize=not raw, documents=documents, text_field=text_field)
     if result is None:
         return
-    _write_json(json_out, result)
+    if json_out is not None:
+        write_json_file(json_out, result, "--json")
     lm = result["lm_eval"]
     step = f" step {result['step']}" if result["step"] is not None else ""
     table = Table(title=f"WikiText{' (raw text)' if raw else ''}: {result['checkpoint']}{step} on {result['data']}")
@@ -693,11 +691,15 @@ def lambada_command(
     from rich.table import Table
 
     from zoa_train import console as zoa_console
+    from zoa_train.files import check_output_file, write_json_file
 
+    if json_out is not None:
+        check_output_file(json_out, "--json")  # before the evaluation: its result must have somewhere to go
     result = evaluate_lambada(checkpoint, data, batch_size, seq_len)
     if result is None:
         return
-    _write_json(json_out, result)
+    if json_out is not None:
+        write_json_file(json_out, result, "--json")
     step = f" step {result['step']}" if result["step"] is not None else ""
     table = Table(title=f"LAMBADA: {result['checkpoint']}{step} on {result['data']}")
     for name in ("examples", "accuracy (strict)", "target-token perplexity", "lm-eval perplexity (per example)"):

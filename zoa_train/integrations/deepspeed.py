@@ -15,6 +15,7 @@ import yaml
 
 from zoa_train.config import apply_override, recipe_from_dict
 from zoa_train.errors import UserError
+from zoa_train.files import check_output_file, load_json, make_directory
 from zoa_train.models.builders import MODEL_PRESETS
 from zoa_train.optim.deepspeed_names import PARAMS, ZOA_OPTIMIZER, optimizer_key, translate
 
@@ -108,7 +109,7 @@ def read_config(path: Path) -> dict:
     if not path.is_file():
         raise UserError(f"DeepSpeed config {path} does not exist.")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = load_json(path.read_text(encoding="utf-8"), str(path))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         where = f" at line {e.lineno}" if isinstance(e, json.JSONDecodeError) else ""
         raise UserError(f"{path} is not a JSON DeepSpeed config{where}.") from None
@@ -324,7 +325,8 @@ def write_recipe(text: str, out: Path, overwrite: bool = False) -> None:
         raise UserError(f"--out {out} is a directory; name the recipe file to write.")
     if out.exists() and not overwrite:
         raise UserError(f"{out} exists already: pass --overwrite to replace it.")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_output_file(out, "--out")
+    make_directory(out.parent, "the directory of --out")
     fd, staged = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:

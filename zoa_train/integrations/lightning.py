@@ -130,10 +130,14 @@ class SelfSyncingStrategy(DDPStrategy):
                     f"SelfSyncingStrategy trains with zoa-train's self-syncing optimizers (ZeroOneAdam, OneBitAdam, DiLoCo, DataParallelAdam), "
                     f'not {type(optimizer).__name__}, which needs DDP to average the gradients; use strategy="ddp" for it.'
                 )
+            try:
+                optimizer.bind()  # built before the strategy started the process group: joins it now
+            except ValueError as e:
+                raise UserError(f"{e}.") from None
             if optimizer.world_size != self.world_size:
                 raise UserError(
-                    f"{type(optimizer).__name__} was built over {optimizer.world_size} rank(s) and the trainer runs on {self.world_size}: "
-                    "build it in configure_optimizers, over the default process group."
+                    f"{type(optimizer).__name__} was built over a process group of {optimizer.world_size} rank(s) and the trainer runs on "
+                    f"{self.world_size}: build it over the default process group (process_group=None)."
                 )
             # SelfSyncing refuses sparse gradients and averages BatchNorm statistics at every sync.
             self._zoa.append(SelfSyncing(self.lightning_module, optimizer, type(optimizer).__name__))

@@ -142,7 +142,9 @@ class ZoaTrainer(Trainer):
     """A `transformers.Trainer` that trains with one of zoa-train's self-syncing optimizers, without DDP.
 
     Give the optimizer as Trainer takes one, `optimizers=(optimizer, scheduler)` (a zoa_train.optim
-    optimizer built over the model on its device; scheduler None: Trainer's from TrainingArguments),
+    optimizer over the model's parameters, built before or after TrainingArguments starts the process
+    group: it is bound to the group here, on the device Trainer put the model on; scheduler None:
+    Trainer's from TrainingArguments),
     or by name: `zoa_optimizer="zero_one_adam", zoa_optimizer_kwargs={"var_freeze_step": 100}` (a
     recipe's optimizer name and knobs, the registry's defaults for the rest; lr, betas, eps and
     weight decay come from TrainingArguments). Everything else is Trainer's own arguments.
@@ -175,11 +177,16 @@ class ZoaTrainer(Trainer):
                 f"torch.distributed has {_world()[0]} ranks and Trainer sees {self.args.world_size}; on a machine without GPUs pass "
                 "TrainingArguments(use_cpu=True), which makes accelerate take torchrun's ranks."
             )
-        if self.optimizer is not None and self.optimizer.world_size != self.args.world_size:
-            raise UserError(
-                f"the optimizer was built over {self.optimizer.world_size} rank(s) and Trainer runs on {self.args.world_size}: build it "
-                "after TrainingArguments, which starts the process group."
-            )
+        if self.optimizer is not None:
+            try:
+                self.optimizer.bind()  # built before TrainingArguments started the process group: joins it now
+            except ValueError as e:
+                raise UserError(f"{e}.") from None
+            if self.optimizer.world_size != self.args.world_size:
+                raise UserError(
+                    f"the optimizer was built over a process group of {self.optimizer.world_size} rank(s) and Trainer runs on "
+                    f"{self.args.world_size}: build it over the default group (process_group=None)."
+                )
         given = [key for key in FROM_TRAINING_ARGUMENTS if key in (zoa_optimizer_kwargs or {})]
         if given:
             raise UserError(f"set {given[0]} through TrainingArguments ({FROM_TRAINING_ARGUMENTS[given[0]]}), not zoa_optimizer_kwargs.")

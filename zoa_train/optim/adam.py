@@ -34,7 +34,7 @@ class DataParallelAdam(DataParallelOptimizer):
     bias-correction setting, so that a comparison isolates compression. Use it without DDP, or under
     DDP over a one-rank `process_group` for the math alone (the `adam` recipe without bias correction).
 
-    Parameters: lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=False,
+    Parameters: lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, bias_correction=True,
     process_group (default: the world), allreduce_dtype=None.
     State (`state_dict()`): per group flat fp32 m and v and the ledger: 2 fp32 copies of the model.
     """
@@ -46,12 +46,14 @@ class DataParallelAdam(DataParallelOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        bias_correction: bool = False,
+        bias_correction: bool = True,
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
     ):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         super().__init__(params, defaults, process_group, allreduce_dtype)
+
+    def _allocate_state(self) -> None:
         for flat, buffers in zip(self._flat, self._buffers):
             buffers["exp_avg"] = flat.keep(flat.zeros())
             buffers["exp_avg_sq"] = flat.keep(flat.zeros())

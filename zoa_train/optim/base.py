@@ -2,10 +2,13 @@
 the per-step record, and a state dict that carries everything of this rank.
 
 These optimizers do their own data-parallel communication: the model is not wrapped in DDP. At
-construction every parameter is broadcast from rank 0 so that all ranks start from the same point.
+construction (or, for one built before torch.distributed was initialised, when it is bound to the
+group: `bind()`, its first step) the ranks' parameter shapes are checked to agree and every parameter
+is broadcast from rank 0, so that all ranks start from the same point.
 A parameter whose .grad is None in a step counts as having a zero gradient, on every rank alike.
 """
 
+import hashlib
 from dataclasses import dataclass
 
 import torch
@@ -134,39 +137,100 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         kwargs, _ = translate(cls.deepspeed_type, ds_params, f"{cls.__name__}.from_deepspeed")
         return cls(params, process_group=process_group, **kwargs)
 
+    schedule = None  # an object with state_dict/load_state_dict (a subclass's), or None
+
     def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None, collective: CollectiveFactory | None = None):
         self._constructed = False
-        check_hyperparameters(type(self).__name__, defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
+        name = type(self).__name__
+        check_hyperparameters(name, defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
         super().__init__(params, defaults)
         self.process_group = process_group
         self.allreduce_dtype = allreduce_dtype
-        self.world_size, self.rank = group_size_rank(process_group)
         seen: set[int] = set()
         for group in self.param_groups:
             unique = []
             for p in group["params"]:
                 if p.dtype != torch.float32:
-                    raise ValueError(f"{type(self).__name__} keeps fp32 master weights; got a {p.dtype} parameter")
+                    raise ValueError(f"{name} keeps fp32 master weights; got a {p.dtype} parameter")
                 if id(p) not in seen:  # tied weights listed twice are updated once
                     seen.add(id(p))
                     unique.append(p)
             group["params"] = unique
+        params = [p for group in self.param_groups for p in group["params"]]
+        if not any(p.requires_grad and p.numel() for p in params):
+            given = (
+                f"none of the {len(params)} parameters it was given both requires a gradient and holds an element" if params else "it was given no parameters"
+            )
+            raise ValueError(f"{name} has nothing to train: {given}; pass the trainable ones, e.g. [p for p in model.parameters() if p.requires_grad]")
         sizes = [[p.numel() for p in group["params"]] for group in self.param_groups]
         self.ledger = CommLedger(num_params=sum(map(sum, sizes)))
-        self.collective: Collective | None = None
-        if collective is not None:
-            device = next((p.device for group in self.param_groups for p in group["params"]), None)
-            self.collective = collective(sizes, group=process_group, device=device, ledger=self.ledger)
-        layouts = self.collective.layouts if self.collective is not None else [onebit_layout(s, 1) for s in sizes]
-        self._flat = [FlatGroup(group["params"], layout) for group, layout in zip(self.param_groups, layouts)]
+        self._collective_factory = collective
+        # Built before torch.distributed was initialised (a script that makes its optimizer before its
+        # framework starts the group): bound to the default group at the first step, or by an
+        # integration's set-up (bind()).
+        self._bound = process_group is not None or dist.is_initialized()
         self.last_step: StepRecord | None = None
         self.step_count = 0
+        self._averaged: list[torch.Tensor] = []  # see average_at_sync
+        self._lay_out()
+        self._constructed = True
+
+    def _lay_out(self) -> None:
+        """Over the process group as it is now: check that every rank holds the same model, start every
+        rank from rank 0's parameters, build the collective and lay the flat state out in its layouts."""
+        self.world_size, self.rank = group_size_rank(self.process_group)
+        self._check_same_model()
+        sizes = [[p.numel() for p in group["params"]] for group in self.param_groups]
+        self.collective: Collective | None = None
+        if self._collective_factory is not None:
+            device = next((p.device for group in self.param_groups for p in group["params"]), None)
+            self.collective = self._collective_factory(sizes, group=self.process_group, device=device, ledger=self.ledger)
+        layouts = self.collective.layouts if self.collective is not None else [onebit_layout(s, 1) for s in sizes]
+        self._flat = [FlatGroup(group["params"], layout) for group, layout in zip(self.param_groups, layouts)]
+        self._broadcast_parameters()
         self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in self._flat]
         self._scalars: list[dict[str, float]] = [{} for _ in self._flat]
-        self.schedule = None
-        self._averaged: list[torch.Tensor] = []  # see average_at_sync
-        self._broadcast_parameters()
-        self._constructed = True
+        self._allocate_state()
+
+    def _allocate_state(self) -> None:
+        """Fill `self._buffers` and `self._scalars` for the layout in `self._flat` (the parameters are rank 0's by now)."""
+
+    def bind(self) -> None:
+        """Join the default process group now, if this optimizer was built before torch.distributed was
+        initialised (so over one rank): the same model checked on every rank, rank 0's parameters
+        broadcast, the state laid out for the group, on the device the parameters are on now (a
+        framework may have moved them since). Every rank must call it (step() does, at the first step;
+        the integrations do when they set up). Nothing to do otherwise."""
+        if self._bound or not dist.is_initialized():
+            return
+        if self.step_count:
+            raise ValueError(
+                f"{type(self).__name__} took {self.step_count} steps on one rank before torch.distributed was initialised; "
+                "bind it (or build it) before its first step, so that every rank starts from the same state"
+            )
+        self._bound = True
+        self._lay_out()
+
+    def _check_same_model(self) -> None:
+        """Refuse ranks whose parameter groups differ (another model, another grouping): a fingerprint of
+        the shapes, one small all_gather at set-up (not a training step: not in the ledger)."""
+        if self.world_size == 1:
+            return
+        shapes = [[tuple(p.shape) for p in group["params"]] for group in self.param_groups]
+        digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:8], "little", signed=True)
+        tensors, elements = sum(map(len, shapes)), sum(p.numel() for group in self.param_groups for p in group["params"])
+        device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
+        mine = torch.tensor([digest, len(shapes), tensors, elements], dtype=torch.int64, device=device)
+        every = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(every, mine, group=self.process_group)
+        other = next((r for r, fingerprint in enumerate(every) if not torch.equal(fingerprint, every[0])), None)
+        if other is not None:
+            first, theirs = every[0].tolist(), every[other].tolist()
+            raise ValueError(
+                f"{type(self).__name__}: the ranks were given different models: rank 0 has {first[1]} parameter groups of {first[2]} tensors "
+                f"({first[3]:,} elements), rank {other} {theirs[1]} of {theirs[2]} ({theirs[3]:,} elements){'' if first[1:] != theirs[1:] else ' of other shapes'}; "
+                "build the same model and parameter groups on every rank"
+            )
 
     def average_at_sync(self, tensors: list[torch.Tensor]) -> None:
         """Average `tensors` (e.g. BatchNorm running statistics) over the ranks at every sync, in full
@@ -244,6 +308,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if not self._bound:
+            self.bind()
         loss = None
         if closure is not None:
             with torch.enable_grad():

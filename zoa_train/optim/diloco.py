@@ -65,7 +65,7 @@ class DiLoCo(DataParallelOptimizer):
 
     Use it without DDP: `step()` communicates at outer steps only. Parameters: lr=1e-3 (the inner
     AdamW's, which an lr schedule sets), betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0 (decoupled,
-    matrices only as the recipes group them), bias_correction=False (the shared knobs of every
+    matrices only as the recipes group them), bias_correction=True (the shared knobs of every
     optimizer); sync_every=500 (H, the paper's), outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True
     (the paper's), fragments=1 (Streaming DiLoCo above 1); process_group, allreduce_dtype (the
     pseudo-gradient's on the wire).
@@ -83,7 +83,7 @@ class DiLoCo(DataParallelOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        bias_correction: bool = False,
+        bias_correction: bool = True,
         sync_every: int = 500,
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
@@ -97,15 +97,17 @@ class DiLoCo(DataParallelOptimizer):
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1), got {outer_momentum}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, process_group, allreduce_dtype)
         self.schedule = OuterSchedule(sync_every, fragments)
         self.outer_lr, self.outer_momentum, self.outer_nesterov = outer_lr, outer_momentum, outer_nesterov
+        super().__init__(params, defaults, process_group, allreduce_dtype)
+
+    def _allocate_state(self) -> None:
         for flat, buffers in zip(self._flat, self._buffers):
             buffers["exp_avg"] = flat.keep(flat.zeros())
             buffers["exp_avg_sq"] = flat.keep(flat.zeros())
             buffers["anchor"] = flat.keep(flat.flatten([p.detach() for p in flat.params]))
             buffers["outer_momentum"] = flat.keep(flat.zeros())
-        self._fragments = self._cut(fragments)
+        self._fragments = self._cut(self.schedule.fragments)
 
     def _cut(self, fragments: int) -> list[dict[str, list[torch.Tensor]]]:
         """Per fragment, the views of its parameters, anchor and outer momentum: consecutive parameters

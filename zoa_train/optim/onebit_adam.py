@@ -25,7 +25,8 @@ class OneBitAdam(DataParallelOptimizer):
     was zero at every warm-up step has v = 0 and does not move.
 
     Parameters: lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0 (decoupled),
-    bias_correction=False, freeze_step=100_000 (at least 1), process_group (default: the world),
+    bias_correction=True (torch.optim.Adam's; DeepSpeed's OnebitAdam never corrects bias: from_deepspeed
+    sets False), freeze_step=100_000 (at least 1), process_group (default: the world),
     allreduce_dtype=None (the parameters' fp32), collective (default OneBitAllReduce).
 
     State (`state_dict()`): per group flat fp32 m and v (then the denominator) in the collective's
@@ -41,7 +42,7 @@ class OneBitAdam(DataParallelOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        bias_correction: bool = False,
+        bias_correction: bool = True,
         freeze_step: int = 100_000,
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
@@ -50,8 +51,10 @@ class OneBitAdam(DataParallelOptimizer):
         if freeze_step < 1:  # at least one full-precision step, or v stays zero and nothing moves
             raise ValueError(f"freeze_step must be at least 1, got {freeze_step}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
-        super().__init__(params, defaults, process_group, allreduce_dtype, collective)
         self.freeze_step = freeze_step
+        super().__init__(params, defaults, process_group, allreduce_dtype, collective)
+
+    def _allocate_state(self) -> None:
         for flat, buffers, scalars in zip(self._flat, self._buffers, self._scalars):
             buffers["exp_avg"] = flat.keep(flat.zeros())
             # Holds v during warm-up and, once frozen, its final denominator sqrt(v/bc2)+eps.

@@ -71,7 +71,7 @@ class ZeroOneSchedule:
             doublings = (t - self.var_freeze_step) // self.local_step_scaler
         else:
             max_lr = max(self.max_lr, lr)
-            doublings = math.floor(math.log2(max_lr / lr)) if lr > 0 else 64
+            doublings = math.floor(math.log2(max_lr) - math.log2(lr)) if lr > 0 else 64  # max_lr / lr may overflow
         return min(self.local_step_clip, 2 ** min(doublings, 62))
 
     def advance(self, lr: float) -> StepDecision:

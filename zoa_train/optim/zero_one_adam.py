@@ -63,9 +63,10 @@ class ZeroOneAdam(DataParallelOptimizer):
     (the paper; a constant lr never takes a local step), "steps" every `local_step_scaler` steps
     after the freeze (DeepSpeed's rule), "fixed" is `local_step_interval`; at most `local_step_clip`.
 
-    Parameters (defaults are the authors' DeepSpeed ones, docs/algorithm.md "Defaults"):
+    Parameters (defaults are the authors' DeepSpeed ones but bias_correction, docs/algorithm.md "Defaults"):
       lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0 (decoupled, never in the momentum),
-      bias_correction=False; var_freeze_step=100_000, var_update_scaler=16 (kappa: the gaps between
+      bias_correction=True (torch.optim.Adam's; DeepSpeed's never corrects bias: from_deepspeed sets False);
+      var_freeze_step=100_000, var_update_scaler=16 (kappa: the gaps between
       variance updates double every kappa updates), local_steps="lr", local_step_clip=16,
       local_step_scaler=32_678, local_step_interval=1; update_clip=1.0 (before the freeze, each
       tensor's m/d is scaled to an RMS of at most this on steps with a stale variance; None: off);
@@ -89,7 +90,7 @@ class ZeroOneAdam(DataParallelOptimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
-        bias_correction: bool = False,
+        bias_correction: bool = True,
         var_freeze_step: int = ZeroOneSchedule.var_freeze_step,
         var_update_scaler: int = ZeroOneSchedule.var_update_scaler,
         local_steps: str = ZeroOneSchedule.local_steps,
@@ -104,7 +105,6 @@ class ZeroOneAdam(DataParallelOptimizer):
         if update_clip is not None and not update_clip > 0:
             raise ValueError(f"update_clip must be positive or None, got {update_clip}")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction, update_clip=update_clip)
-        super().__init__(params, defaults, process_group, allreduce_dtype, collective)
         self.schedule = ZeroOneSchedule(
             var_freeze_step=var_freeze_step,
             var_update_scaler=var_update_scaler,
@@ -113,6 +113,9 @@ class ZeroOneAdam(DataParallelOptimizer):
             local_step_scaler=local_step_scaler,
             local_step_interval=local_step_interval,
         )
+        super().__init__(params, defaults, process_group, allreduce_dtype, collective)
+
+    def _allocate_state(self) -> None:
         for flat, buffers, scalars in zip(self._flat, self._buffers, self._scalars):
             buffers["exp_avg"] = flat.keep(flat.zeros())
             # Holds v until the freeze and then its final denominator sqrt(v/bc2)+eps.

@@ -10,6 +10,9 @@ model, computes the loss and the validation metrics of a batch, names its throug
 writes what it needs beside a checkpoint (a tokenizer, the class names). See tasks/base.py.
 """
 
+from pathlib import Path
+
+from zoa_train.files import make_directory
 from zoa_train.tasks.base import Task
 
 _TASKS = {
@@ -31,6 +34,7 @@ def task_class(recipe) -> type[Task]:
 
 def build_task(recipe, rank: int = 0, world_size: int = 1) -> Task:
     """The recipe's task with its data prepared for this rank (the model is built by build_model)."""
+    make_directory(Path(recipe.data.cache_dir).expanduser(), "data.cache_dir")  # every task's data is cached there
     return task_class(recipe)(recipe, rank, world_size)
 
 

@@ -17,8 +17,9 @@ ever loaded or counted.
 
 Preparation runs on every rank whatever started it (`zoa-train run`, torchrun, srun): rank 0
 decides (refuses a non-empty directory without --overwrite or --resume, empties it with
---overwrite, trims metrics.jsonl back to the resumed step) and every rank gets the same decision,
-so all ranks fail alike or none does.
+--overwrite) and every rank gets the same decision, so all ranks fail alike or none does. A resumed
+run trims metrics.jsonl back to its step only after every rank has loaded the checkpoint: every
+check that can refuse a resume comes before anything in the directory changes.
 
 Integrity: every file of a checkpoint is hashed (SHA-256) right after it is written; each rank
 other than 0 leaves its file's size and digest in a sidecar (rank_00001.pt.sha256) that rank 0
@@ -55,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from zoa_train.errors import UserError
+from zoa_train.files import check_directory, make_directory
 
 MARKER = "COMPLETE"
 METRICS = "metrics.jsonl"
@@ -62,6 +64,8 @@ LOCK = ".lock"
 SIDECAR = ".sha256"
 _CHUNK = 1 << 20
 _CHECKPOINT_NAME = re.compile(r"step_\d+")
+# Less free space than this after a failed write: the disk is full (torch.save's RuntimeError carries no errno).
+_NEARLY_FULL = 1 << 20
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +212,7 @@ class RunDirectory:
         a UserError naming the job that holds it. Held until close() or this process ends."""
         if self._lock is not None:
             return
-        self.path.mkdir(parents=True, exist_ok=True)
+        make_directory(self.path, "run directory")
         f = open(self.path / LOCK, "a+")
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -274,6 +278,7 @@ class RunDirectory:
             raise UserError("--resume and --overwrite cannot be used together.")
         if self.path.exists() and not self.path.is_dir():
             raise UserError(f"run directory {self.path} exists and is not a directory.")
+        check_directory(self.path, "run directory")
 
     def check(self, resume: str | None, overwrite: bool, world_size: int, reshard: bool = False) -> Path | None:
         """Read-only: the checkpoint to resume from (None: start at step 0), or a UserError for a
@@ -315,8 +320,9 @@ class RunDirectory:
 
     def prepare(self, resume: str | None, overwrite: bool, world_size: int, rank: int, reshard: bool = False) -> Path | None:
         """On every rank (a collective when torch.distributed is initialised): rank 0 checks and sets
-        the directory up (emptied with `overwrite`, metrics.jsonl trimmed to the resumed step);
-        returns the checkpoint to resume from. Raises the same UserError on every rank. Rank 0 first
+        the directory up (emptied with `overwrite`); returns the checkpoint to resume from. A resumed
+        run's metrics.jsonl is trimmed by the caller (trim_metrics) only once the checkpoint has been
+        loaded: a checkpoint the run refuses (another model or optimizer) leaves the directory as it was. Raises the same UserError on every rank. Rank 0 first
         takes the run directory's lock, held until close(): the caller must call close() when the run ends."""
         decision: list = [None, None]  # [checkpoint path or None, error message or None]
         if rank == 0:
@@ -327,8 +333,6 @@ class RunDirectory:
                 target = self.check(resume, overwrite, world_size, reshard)
                 if overwrite:
                     self._empty()
-                if resume:
-                    self.trim_metrics(read_marker(target)["step"] if target is not None else 0)
                 decision = [str(target) if target is not None else None, None]
             except UserError as e:
                 decision = [None, str(e)]
@@ -370,7 +374,7 @@ class RunDirectory:
                 staged.mkdir(parents=True)
             except OSError as e:
                 error = self._save_error(name, e)
-        error = _agree(error)
+        error = agree(error)
         if error is None:
             own = f"rank_{rank:05d}.pt"
             try:
@@ -381,9 +385,9 @@ class RunDirectory:
                 else:  # rank 0 folds it into the marker: each rank hashes only its own file
                     size, digest = recorded[own]
                     _write_synced(staged / (own + SIDECAR), f"{size} {digest}\n")
-            except OSError as e:
+            except (OSError, RuntimeError) as e:  # torch.save reports a failed write (a full disk) as a RuntimeError
                 error = self._save_error(name, e)
-            error = _agree(error)
+            error = agree(error)
         if error is None and rank == 0:
             try:
                 self._publish(staged, final, step, world_size, recorded, synced)
@@ -391,7 +395,7 @@ class RunDirectory:
                 error = self._save_error(name, e)
             except _MissingRanks as e:
                 error = f"could not write checkpoint {name} under {self.checkpoints}: {e}; the earlier checkpoints are untouched."
-        error = _agree(error)
+        error = agree(error)
         if error is not None:
             if rank == 0:
                 shutil.rmtree(staged, ignore_errors=True)
@@ -403,8 +407,17 @@ class RunDirectory:
         _barrier()
         return final
 
-    def _save_error(self, name: str, e: OSError) -> str:
-        return f"could not write checkpoint {name} under {self.checkpoints}: {e.strerror or e}; the earlier checkpoints are untouched."
+    def _save_error(self, name: str, e: Exception) -> str:
+        """One sentence for a failed checkpoint write: a full disk named by where it is mounted."""
+        usage = shutil.disk_usage(self.checkpoints) if self.checkpoints.is_dir() else None
+        if getattr(e, "errno", None) == errno.ENOSPC or (usage is not None and usage.free < _NEARLY_FULL):
+            mount = self.checkpoints.resolve()
+            while not os.path.ismount(mount):
+                mount = mount.parent
+            why = f"no space is left on the disk mounted at {mount} ({usage.free if usage else 0:,} of {usage.total if usage else 0:,} bytes free)"
+        else:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).strip().splitlines()[0]
+        return f"could not write checkpoint {name} under {self.checkpoints}: {why}; its staged files are removed and the earlier checkpoints are untouched."
 
     def _publish(self, staged: Path, final: Path, step: int, world_size: int, recorded: dict[str, tuple[int, str]], synced: bool = True) -> None:
         """Rank 0: fold the ranks' sidecars into the marker, then make the checkpoint visible."""
@@ -452,12 +465,13 @@ def _numpy_array_globals() -> list:
     return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
-def read_checkpoint_file(path: Path, device: torch.device | str = "cpu"):
+def read_checkpoint_file(path: Path, device: torch.device | str = "cpu", opened=None):
     """torch.load of tensors and plain values only (weights_only): a checkpoint cannot run code when it
-    is read. A file holding any other pickled object is refused in one sentence."""
+    is read. A file holding any other pickled object is refused in one sentence. `opened`: the file,
+    opened already (read from it; `path` names it)."""
     try:
         with torch.serialization.safe_globals(_numpy_array_globals()):
-            return torch.load(path, map_location=device, weights_only=True)
+            return torch.load(path if opened is None else opened, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"GLOBAL ([\w.]+)", str(e))
         what = f"a pickled {found.group(1)}" if found else "a pickled object"
@@ -478,7 +492,7 @@ class _MissingRanks(Exception):
     pass
 
 
-def _agree(error: str | None) -> str | None:
+def agree(error: str | None) -> str | None:
     """Collective: the first rank's error message (by rank), the same on every rank, or None."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list = [None] * dist.get_world_size()

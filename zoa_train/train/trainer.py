@@ -34,7 +34,7 @@ from zoa_train.precision import autocast
 from zoa_train.tasks import build_task
 from zoa_train.train.loss_scaling import LossScaler
 from zoa_train.train.metrics import MetricsLogger
-from zoa_train.train.rundir import RunDirectory, complete_checkpoints, read_marker
+from zoa_train.train.rundir import RunDirectory, agree, complete_checkpoints, read_marker
 
 log = logging.getLogger(__name__)
 
@@ -199,11 +199,20 @@ class Trainer:
         if threading.current_thread() is threading.main_thread():
             self._previous_handlers = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
         if checkpoint is not None:
-            self._load(checkpoint)
+            refused = None
+            try:
+                self._load(checkpoint)
+            except UserError as e:
+                refused = str(e)
+            refused = agree(refused)  # every rank refuses alike, before anything in the run directory changes
+            if refused is not None:
+                raise UserError(refused)
             if self.is_main and restart_count():
                 log.warning("restart %d after a rank failed: every rank resumed from %s (step %d)", restart_count(), checkpoint, self.step)
         elif resume:
             log.info("no complete checkpoint in %s: starting from step 0", self.run_dir.checkpoints)
+        if self.is_main and resume:  # the records logged after the checkpoint are logged again
+            self.run_dir.trim_metrics(self.step)
         if self.is_main:
             (self.run_dir.path / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
             self.task.save_artifacts(self.run_dir.path)
