@@ -5,6 +5,7 @@ with exactly the results of one call per group."""
 
 import functools
 
+import pytest
 import torch
 from distributed_harness import run_ranks
 
@@ -18,27 +19,39 @@ FEW = [48_000 + 7] * 4  # 4 tensors of 47 rows each
 MANY = [3_000 + 7] * 64  # 64 tensors of 3 rows each: 16 times the tensor boundaries, the same total
 
 
-def _ops_per_call(rank, world_size, sizes, kernels):
-    comm = OneBitAllReduce(sizes, block_size=WHOLE, scale_row=ROW, ledger=CommLedger(num_params=sum(sizes)), kernels=kernels)
-    x = torch.randn(comm.layout.padded)
-    comm.op(x)  # warm-up
-    return count_ops(lambda: comm.op(x))
+def _ops_per_call(rank, world_size, cases):
+    """The ops of one call for each (sizes, kernels) of `cases`."""
+    counted = []
+    for sizes, kernels in cases:
+        comm = OneBitAllReduce(sizes, block_size=WHOLE, scale_row=ROW, ledger=CommLedger(num_params=sum(sizes)), kernels=kernels)
+        x = torch.randn(comm.layout.padded)
+        comm.op(x)  # warm-up
+        counted.append(count_ops(lambda comm=comm, x=x: comm.op(x)))
+    return counted
 
 
-def test_ops_per_call_do_not_grow_with_scale_segments_or_ranks():
-    few, many = (sum(run_ranks(_ops_per_call, 2, sizes, "torch")[0].values()) for sizes in (FEW, MANY))
+CASES = [(sizes, kernels) for kernels in ("torch", "native") for sizes in (FEW, MANY)]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    """{(ranks, case): ops} for CASES on 2 ranks and on 3."""
+    return {(n, case): counted for n in (2, 3) for case, counted in enumerate(run_ranks(_ops_per_call, n, CASES)[0])}
+
+
+def test_ops_per_call_do_not_grow_with_scale_segments_or_ranks(ops):
+    few, many = sum(ops[2, 0].values()), sum(ops[2, 1].values())  # the torch path
     assert few == many, (few, many)
     assert few < 50  # a few dozen ops per call, the two collectives included
     # The server sums the ranks' terms in order, one op per rank; nothing else depends on n.
-    assert sum(run_ranks(_ops_per_call, 3, MANY, "torch")[0].values()) == many + 1
+    assert sum(ops[3, 1].values()) == many + 1 and sum(ops[3, 0].values()) == few + 1
 
 
-def test_fused_kernels_make_one_pass_each_and_the_two_collectives():
+def test_fused_kernels_make_one_pass_each_and_the_two_collectives(ops):
     passes = {"zoa::onebit_worker": 1, "zoa::onebit_server": 1, "zoa::onebit_output": 1}
-    for world_size, sizes in ((2, FEW), (2, MANY), (3, MANY)):
-        ops = run_ranks(_ops_per_call, world_size, sizes, "native")[0]
-        assert {name: count for name, count in ops.items() if name.startswith("zoa::")} == passes
-        assert sum(ops.values()) == 3 + 2, ops  # and the all_to_all and the all_gather
+    for n, case in ((2, 2), (2, 3), (3, 2), (3, 3)):
+        assert {name: count for name, count in ops[n, case].items() if name.startswith("zoa::")} == passes
+        assert sum(ops[n, case].values()) == 3 + 2, ops[n, case]  # and the all_to_all and the all_gather
 
 
 ROWS_OF_64 = functools.partial(OneBitAllReduce, scale_row=64)  # rows short enough for these small tensors
