@@ -2,14 +2,18 @@
 
     torchrun --nproc_per_node 2 examples/accelerate_zero_one_adam.py
     accelerate launch --num_processes 2 examples/accelerate_zero_one_adam.py
+    torchrun --nproc_per_node 2 examples/accelerate_zero_one_adam.py --overlap --accumulation 2
 
 The pattern: prepare the data loader, optimizer and scheduler, not the model (0/1 Adam does its own
 data-parallel communication; DDP would average every gradient on top of it). Random init (no
 download) on bytes of zoa-train's bundled corpus. Every rank prints a digest of its parameters at
-the end: after `synchronize()` the ranks hold one model.
+the end: after `synchronize()` the ranks hold one model. With --overlap the optimizer starts each
+bucket's round during backward (docs/algorithm.md, "Overlap"); the micro-batches before the last run
+under its no_sync(), which accelerate's accumulate() cannot give a model that is not DDP.
 """
 
 import argparse
+import contextlib
 import hashlib
 
 import torch
@@ -18,6 +22,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from zoa_train.comm import ClusterCollective
 from zoa_train.data.sources import bundled_paragraphs
 from zoa_train.integrations.transformers import build_optimizer, prepare_accelerate
 
@@ -41,6 +46,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--accumulation", type=int, default=1, help="gradient accumulation steps")
     parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
+    parser.add_argument("--overlap", action="store_true", help="start the 1-bit rounds during backward")
     args = parser.parse_args(argv)
 
     # Starts the process group (gloo on CPU, nccl on GPUs) before the optimizer, which reads its size.
@@ -50,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     model.to(accelerator.device)
     # 0/1 Adam by its recipe name and knobs (the registry's defaults for the rest); short warm-up and
     # a sync every 4 steps so that a few dozen steps reach the local steps.
-    zoa = build_optimizer(model, "zero_one_adam", lr=1e-3, var_freeze_step=4, local_steps="fixed", local_step_interval=4).optimizer
+    collective = ClusterCollective(overlap=True, bucket_cap_mb=0.05) if args.overlap else None  # small buckets: a small model
+    zoa = build_optimizer(model, "zero_one_adam", collective, lr=1e-3, var_freeze_step=4, local_steps="fixed", local_step_interval=4).optimizer
     loader = DataLoader(byte_blocks(block=64, count=2048), batch_size=8, shuffle=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(zoa, lambda step: 1.0)
     model, optimizer, loader, scheduler = prepare_accelerate(accelerator, model, zoa, loader, scheduler)
@@ -59,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
     step, logged = 0, (0, 0)
     while step < args.steps:
         for ids in loader:
-            with accelerator.accumulate(model):
+            with accelerator.accumulate(model), contextlib.nullcontext() if accelerator.sync_gradients else zoa.no_sync():
                 loss = model(input_ids=ids, labels=ids).loss
                 accelerator.backward(loss)
                 optimizer.step()  # steps once every `accumulation` batches; communicates itself

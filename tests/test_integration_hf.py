@@ -105,8 +105,9 @@ def test_zoa_trainer_onebit_adam_of_its_own_with_bf16_and_accumulation(tmp_path)
     assert_learns([r["loss"] for r in logs])
 
 
-def test_accelerate_example_without_ddp(tmp_path):
-    stdout = torchrun(ACCELERATE_EXAMPLE, "--steps", "24", "--accumulation", "2")
+@pytest.mark.parametrize("overlap", [[], ["--overlap"]], ids=["in_step", "overlapped"])
+def test_accelerate_example_without_ddp(tmp_path, overlap):
+    stdout = torchrun(ACCELERATE_EXAMPLE, "--steps", "24", "--accumulation", "2", *overlap)
     first, second = digests(stdout).values()
     assert first == second
     windows = [float(w) for w in re.findall(r"window_bits_per_param ([0-9.]+)", stdout)]

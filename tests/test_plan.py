@@ -12,10 +12,11 @@ import torch
 from reference import zero_one_counts_reference
 from rich.console import Console
 
+from zoa_train.comm import ring_allreduce_bytes
 from zoa_train.config import load_recipe
 from zoa_train.errors import UserError
 from zoa_train.optim import LRSchedule, ZeroOneAdam
-from zoa_train.optim.plan import Cluster, StepCosts, ddp_exposed_time, format_plan, onebit_call_bytes, parse_bandwidth, parse_latency, plan
+from zoa_train.optim.plan import Cluster, StepCosts, ddp_exposed_time, flat_onebit_cost, format_plan, onebit_call_bytes, parse_bandwidth, parse_latency, plan
 from zoa_train.optim.registry import zero_one_step_kinds
 from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
 
@@ -313,6 +314,27 @@ def test_step_times_add_compute_to_what_each_step_sends():
     assert zoa["speedup_vs_adam"] == pytest.approx(adam["total_time_s"] / zoa["total_time_s"])
     assert zoa["speedup_vs_onebit_adam"] == pytest.approx(onebit["total_time_s"] / zoa["total_time_s"])
     assert "speedup_vs_onebit_adam" not in adam and "step_time_s" not in small_plan()["adam"]
+
+
+def test_overlapped_rounds_add_only_what_backward_does_not_hide():
+    """With comm.overlap the 1-bit optimizers' rounds are bucketed as DDP's: one bucket (all ready when
+    backward ends) is exposed whole, so the totals equal the non-overlapped ones; buckets of a quarter
+    of the model hide all but the last bucket behind a long backward. What is sent does not change."""
+    costs = StepCosts(0.1, backward_fraction=0.5, compress_rate=1e5)
+    plain = small_plan(costs=costs)
+    whole = small_plan(costs=StepCosts(0.1, backward_fraction=0.5, compress_rate=1e5, overlap=True))
+    quarter = small_plan(costs=StepCosts(10.0, backward_fraction=0.5, compress_rate=1e5, overlap=True, overlap_bucket_bytes=1000))
+    long_plain = small_plan(costs=StepCosts(10.0, backward_fraction=0.5, compress_rate=1e5))
+    for name in ("onebit_adam", "zero_one_adam"):
+        assert whole[name]["total_time_s"] == pytest.approx(plain[name]["total_time_s"])
+        assert quarter[name]["comm_time_s"] == long_plain[name]["comm_time_s"]
+        assert quarter[name]["total_time_s"] < long_plain[name]["total_time_s"]
+    # 1-bit Adam, 3 steps: 1 fp32 and 2 1-bit steps, each with only its last quarter (250 elements) exposed.
+    cluster = Cluster(2, 1, bandwidth=1e6, latency=1e-3)
+    last_fp = 2e-3 + ring_allreduce_bytes(250, 4, 2) / 1e6
+    last_onebit = flat_onebit_cost(250, cluster, 1e5).seconds
+    assert quarter["onebit_adam"]["total_time_s"] == pytest.approx(3 * 10.0 + last_fp + 2 * last_onebit)
+    assert quarter["adam"]["total_time_s"] == long_plain["adam"]["total_time_s"]  # DDP's own buckets, as before
 
 
 def test_the_reduction_rate_prices_the_elements_each_rank_sends_in_full_precision():

@@ -283,6 +283,7 @@ def plan_command(
     """Communication of every optimizer (Adam, 1-bit Adam, 0/1 Adam, ...) over a whole recipe on N nodes of G ranks, without training; with --step-time, predicted step time, time to train and speed-ups."""
     import math
 
+    from zoa_train.comm.buckets import BUCKET_CAP_MB
     from zoa_train.config import load_recipe
     from zoa_train.optim import registry
     from zoa_train.optim.plan import StepCosts, format_plan, parse_bandwidth, parse_latency, plan
@@ -300,7 +301,16 @@ def plan_command(
     ranks = world_size or (nodes or 64) * gpus_per_node
     costs = None
     if step_time:
-        costs = StepCosts(parse_latency(step_time), backward_fraction, compress_rate or math.inf, reduce_rate or math.inf)
+        c = config.comm
+        overlap_bucket = int((c.bucket_cap_mb or BUCKET_CAP_MB) * 2**20)
+        costs = StepCosts(
+            parse_latency(step_time),
+            backward_fraction,
+            compress_rate or math.inf,
+            reduce_rate or math.inf,
+            overlap=c.overlap,
+            overlap_bucket_bytes=overlap_bucket,
+        )
     o = config.optimizer
     shapes = parameter_shapes(config)
     result = plan(

@@ -121,6 +121,14 @@ class CommConfig:
     # The 1-bit call's compute passes (zoa_train/comm/kernels): auto is fused (Triton on GPUs, C++ on
     # CPUs) where it runs, else torch ops; the choice changes speed, not the wire format.
     kernels: Literal[KERNEL_CHOICES] = "auto"
+    # The 1-bit optimizers' rounds in buckets of whole tensors of at most this many MB of fp32
+    # (docs/algorithm.md, "Overlap"); 0: one round per step for all parameter groups. A change of
+    # bucketing is a change of layout: a resume refuses it, --reshard restarts the error buffers.
+    bucket_cap_mb: float = 0.0
+    # Start each bucket's round during backward, as soon as its gradients are final (buckets of
+    # 25 MB when bucket_cap_mb is 0). Off for a run whose gradients change after backward
+    # (train.grad_clip, fp16 loss scaling, train.skip_nonfinite): its rounds start in step().
+    overlap: bool = False
 
 
 @dataclass
@@ -327,6 +335,7 @@ CHECKS: dict[str, checks.Check] = {
     "model.n_embd": checks.unset_or(checks.positive),
     "model.n_head": checks.unset_or(checks.positive),
     "comm.ranks_per_node": checks.non_negative,
+    "comm.bucket_cap_mb": checks.non_negative,
 }
 
 

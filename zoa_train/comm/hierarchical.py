@@ -23,6 +23,7 @@ import functools
 import torch
 import torch.distributed as dist
 
+from zoa_train.comm.buckets import BUCKET_CAP_MB, BucketedCollective
 from zoa_train.comm.collectives import allreduce, default_ledger, group_size_rank, ring_allreduce_bytes
 from zoa_train.comm.kernels import select_kernels
 from zoa_train.comm.ledger import CommLedger
@@ -33,6 +34,7 @@ from zoa_train.comm.onebit import (
     OneBitLayout,
     _buffer_sizes,
     check_topology,
+    checked_accumulator,
     collective_device,
     onebit_layout,
 )
@@ -68,7 +70,7 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
     `scale_row` and `kernels` are the flat allreduce's. `inter`: the collective between nodes (default
     OneBitAllReduce), called as `inter(None, group=, device=, ledger=, layouts=)` with the shards'
     layouts; a test passes an exact one to check the composition alone. The accumulators are a buffer of their own (the error lives
-    in the shard's flat allreduce), empty between calls.
+    in the shard's flat allreduce), empty between calls, or `accumulator` (as OneBitAllReduce's).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         scale_row: int = SCALE_ROW,
         inter=None,
         kernels: str = "auto",
+        accumulator: torch.Tensor | None = None,
     ):
         self.group = group
         self.world_size, self.rank = group_size_rank(group)
@@ -101,6 +104,8 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         self._shard_total = sum(self._shards)
         self._scratch: dict = {}  # LaidOutCollective.op's, for packed tensors
         self._pending = torch.zeros(sum(l.padded for l in self.layouts), device=self.device)
+        if accumulator is not None:  # the caller's storage (see OneBitAllReduce)
+            self._pending = checked_accumulator(accumulator, self._pending)
         self._accumulators = list(self._pending.split([l.padded for l in self.layouts]))
         if g > 1:
             self._shard = torch.zeros(self._shard_total, device=self.device)  # this rank's shard of every buffer
@@ -284,11 +289,23 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
 class ClusterCollective:
     """The CollectiveFactory of a recipe's comm section: on its first call (a collective, made when a
     1-bit optimizer is built) it finds which ranks share a node (zoa_train.comm.topology) and builds
-    the flat or the node-aware allreduce as `topology` ("auto", "flat", "hierarchical") says.
-    `chosen` then describes what it built, for the run's log."""
+    the flat or the node-aware allreduce as `topology` ("auto", "flat", "hierarchical") says, in
+    buckets of `bucket_cap_mb` MB (0: none) whose rounds start during backward with `overlap`
+    (zoa_train/comm/buckets.py; 25 MB buckets when `bucket_cap_mb` is 0). `chosen` then describes
+    what it built, for the run's log."""
 
-    def __init__(self, topology: str = "auto", ranks_per_node: int = 0, intra_dtype: torch.dtype = torch.float32, kernels: str = "auto"):
+    def __init__(
+        self,
+        topology: str = "auto",
+        ranks_per_node: int = 0,
+        intra_dtype: torch.dtype = torch.float32,
+        kernels: str = "auto",
+        bucket_cap_mb: float = 0.0,
+        overlap: bool = False,
+    ):
         self.topology, self.ranks_per_node, self.intra_dtype, self.kernels = topology, ranks_per_node, intra_dtype, kernels
+        self.bucket_cap_mb = bucket_cap_mb or (BUCKET_CAP_MB if overlap else 0.0)
+        self.overlap = overlap
         self.chosen: str | None = None
         self.fell_back = False  # auto on an uneven layout: flat
         self._groups: dict[tuple, NodeGroups] = {}
@@ -306,9 +323,15 @@ class ClusterCollective:
         except ValueError as error:
             raise UserError(f"comm.kernels: {error}.") from None
         if kind == "flat":
-            return OneBitAllReduce(sizes, group, device, ledger, kernels=self.kernels)
-        key = tuple(map(tuple, nodes))
-        if key not in self._groups:
-            # the mesh's device type follows the backend: Gloo ranks may share a GPU (gpu_check does)
-            self._groups[key] = node_groups(nodes, "cuda" if "nccl" in str(dist.get_backend()) else "cpu")
-        return HierarchicalOneBitAllReduce(sizes, group, device, ledger, nodes=self._groups[key], intra_dtype=self.intra_dtype, kernels=self.kernels)
+            inner = functools.partial(OneBitAllReduce, kernels=self.kernels)
+        else:
+            # the mesh's device type follows the backend: Gloo ranks may share a GPU (gpu_check does).
+            # Overlapped rounds run on a thread of their own, so they get node groups of their own.
+            key = (tuple(map(tuple, nodes)), self.overlap)
+            if key not in self._groups:
+                self._groups[key] = node_groups(nodes, "cuda" if "nccl" in str(dist.get_backend()) else "cpu")
+            inner = functools.partial(HierarchicalOneBitAllReduce, nodes=self._groups[key], intra_dtype=self.intra_dtype, kernels=self.kernels)
+        if not self.bucket_cap_mb:
+            return inner(sizes, group=group, device=device, ledger=ledger)
+        self.chosen += f", buckets of {self.bucket_cap_mb:g} MB{' overlapped with backward' if self.overlap else ''}"
+        return BucketedCollective(sizes, group, device, ledger, inner=inner, bucket_cap_mb=self.bucket_cap_mb, overlap=self.overlap)

@@ -13,6 +13,7 @@ node). So `bits_per_param` and `bytes_sent` are what this rank puts on the slow 
 `intra_bits_per_param` and `intra_bytes_sent` what it sends inside its node.
 """
 
+import threading
 from dataclasses import dataclass, field
 
 
@@ -49,6 +50,8 @@ class CommLedger:
     _step_calls: int = 0
     _step_intra_bits: int = 0
     _step_intra_bytes: int = 0
+    # records may come from a collective's background thread (zoa_train/comm/buckets.py)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record(self, kind: str, payload_bits: int, elements: int, bytes_sent: int, calls: int = 1, in_step: bool = True, link: str = "inter") -> None:
         """Record one logical collective (`calls` underlying collective calls) in the current step,
@@ -57,7 +60,10 @@ class CommLedger:
         (the slow link, the default) or "intra" (among the ranks of one node)."""
         if link not in LINKS:
             raise ValueError(f"link must be one of {LINKS}, got {link!r}")
-        intra = link == "intra"
+        with self._lock:
+            self._record(kind, payload_bits, elements, bytes_sent, calls, in_step, link == "intra")
+
+    def _record(self, kind: str, payload_bits: int, elements: int, bytes_sent: int, calls: int, in_step: bool, intra: bool) -> None:
         if in_step:
             self._step_calls += calls
             if intra:

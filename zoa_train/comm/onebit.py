@@ -156,6 +156,13 @@ def _allocations(layouts: Sequence[OneBitLayout], world_size: int) -> dict[str, 
     }
 
 
+def checked_accumulator(given: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+    """`given`, the storage a caller passed for a collective's accumulators, if it is like `own`."""
+    if given.numel() != own.numel() or given.dtype != own.dtype or given.device != own.device or not given.is_contiguous():
+        raise ValueError(f"the accumulator must be a contiguous {own.dtype} tensor of {own.numel()} elements on {own.device}")
+    return given.view(-1)
+
+
 def _wire_views(wire: torch.Tensor, column: int, layout: OneBitLayout) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed signs (k, chunk/8), fp32 row scales (k, rows)) of one buffer in each of a wire
     buffer's k segments, where that buffer's part starts at byte `column` of a segment."""
@@ -268,7 +275,9 @@ class OneBitAllReduce(LaidOutCollective):
     to 128M elsewhere) change speed and scratch memory, not the wire format; `scale_row` is part
     of the wire format and must be the same on every rank. `layouts` (instead of `sizes`): buffers
     already laid out for this group's size, such as the node-aware sync's shards
-    (zoa_train/comm/hierarchical.py).
+    (zoa_train/comm/hierarchical.py). `accumulator`: where the worker error (the accumulators)
+    lives, a zeroed fp32 tensor of the layouts' padded elements on `device` (a view of a larger
+    buffer: the buckets of zoa_train/comm/buckets.py share one per parameter group); default its own.
     """
 
     def __init__(
@@ -281,6 +290,7 @@ class OneBitAllReduce(LaidOutCollective):
         scale_row: int = SCALE_ROW,
         layouts: Sequence[OneBitLayout] | None = None,
         kernels: str = "auto",
+        accumulator: torch.Tensor | None = None,
     ):
         self.group = group
         self.world_size, self.rank = group_size_rank(group)
@@ -295,6 +305,8 @@ class OneBitAllReduce(LaidOutCollective):
         self.numel = sum(l.numel for l in self.layouts)
         for name, (size, dtype) in _allocations(self.layouts, self.world_size).items():
             setattr(self, name, torch.zeros(size, dtype=dtype, device=self.device))
+        if accumulator is not None:
+            self._worker = checked_accumulator(accumulator, self._worker)
         self._accumulators = list(self._worker.split([l.padded for l in self.layouts]))
         self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}  # see _laid_out
         self._segment = sum(l.segment for l in self.layouts if l.active)

@@ -9,6 +9,11 @@ bound by functools.partial) averages inside each node in full precision and comp
 nodes, and a test can pass an exact (full-precision) average to check the optimizers' algebra
 alone. The optimizers keep their own flat state in the collective's layouts, accumulate into its
 accumulators and save its state per rank, so a collective needs nothing else from them.
+
+BucketedCollective (zoa_train/comm/buckets.py) wraps any of these in buckets of whole tensors and
+adds the asynchronous form the optimizers use to overlap their rounds with backward:
+`start_exchange(bucket, out, addend)` and `start_allreduce(bucket, tensor, dtype)` start one bucket's
+round, `wait()` returns when every started round is done; the calls below stay synchronous.
 """
 
 from collections.abc import Sequence

@@ -139,6 +139,12 @@ class SelfSyncingStrategy(DDPStrategy):
                     f"{type(optimizer).__name__} was built over a process group of {optimizer.world_size} rank(s) and the trainer runs on "
                     f"{self.world_size}: build it over the default process group (process_group=None)."
                 )
+            # Lightning clips after backward and accumulates without the optimizer's no_sync(): rounds
+            # started during backward would use gradients that still change, so those start in step().
+            if trainer.gradient_clip_val:
+                optimizer.keep_rounds_in_step("Lightning's gradient_clip_val")
+            elif trainer.accumulate_grad_batches > 1:
+                optimizer.keep_rounds_in_step("Lightning's accumulate_grad_batches")
             # SelfSyncing refuses sparse gradients and averages BatchNorm statistics at every sync.
             self._zoa.append(SelfSyncing(self.lightning_module, optimizer, type(optimizer).__name__))
         if not any(isinstance(c, CommMetrics) for c in trainer.callbacks):

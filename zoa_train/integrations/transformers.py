@@ -59,14 +59,16 @@ def optimizer_section(name: str, **knobs):
     return section
 
 
-def build_optimizer(model: torch.nn.Module, name: str, **knobs) -> SelfSyncing:
+def build_optimizer(model: torch.nn.Module, name: str, collective=None, **knobs) -> SelfSyncing:
     """The optimizer a recipe's optimizer section names, for `model` on its device over the default
     process group (start it first): the registry's builder (weight decay on matrices only, the knobs'
     defaults). `knobs`: the shared ones (lr, betas, eps, weight_decay, bias_correction,
-    allreduce_dtype) and the optimizer's own (e.g. var_freeze_step). Only optimizers that communicate
-    themselves are accepted; `.optimizer` of the result is the torch optimizer."""
+    allreduce_dtype) and the optimizer's own (e.g. var_freeze_step). `collective`: the 1-bit
+    optimizers' collective factory, e.g. `zoa_train.comm.ClusterCollective(overlap=True)` (a recipe's
+    comm section; default the flat 1-bit allreduce). Only optimizers that communicate themselves are
+    accepted; `.optimizer` of the result is the torch optimizer."""
     section = optimizer_section(name, **knobs)
-    built = registry.create(section, model, next(model.parameters()).device, _world()[0])
+    built = registry.create(section, model, next(model.parameters()).device, _world()[0], **({"collective": collective} if collective else {}))
     if not isinstance(built, SelfSyncing):
         raise UserError(
             f"optimizer {name} lets DDP average the gradients; train it with transformers.Trainer or accelerate's DDP, not zoa-train's integration."
@@ -202,6 +204,11 @@ class ZoaTrainer(Trainer):
                 f"ZoaTrainer runs one process per GPU and this process sees {self.args.n_gpu}; start it with torchrun --nproc_per_node {self.args.n_gpu}."
             )
         self.args.average_tokens_across_devices = False
+        # Trainer clips after backward and runs micro-batches without the optimizer's no_sync(): a round
+        # started during backward would use gradients that still change, so those runs start them in step().
+        self._keeps_rounds_in_step = (
+            "max_grad_norm" if self.args.max_grad_norm else "gradient_accumulation_steps" if self.args.gradient_accumulation_steps > 1 else None
+        )
         self.zoa_name, self.zoa_kwargs = zoa_optimizer, dict(zoa_optimizer_kwargs or {})
         if zoa_optimizer is not None:
             optimizer_section(zoa_optimizer, **self.zoa_kwargs)  # refuse a bad knob now, not when train() starts
@@ -248,6 +255,8 @@ class ZoaTrainer(Trainer):
                 "Trainer wrapped the model in DDP despite ZoaTrainer (this transformers version prepares models differently from 5.x); "
                 "DDP would average the gradients on top of the optimizer's own sync."
             )
+        if self._keeps_rounds_in_step:
+            self.zoa.optimizer.keep_rounds_in_step(f"Trainer's {self._keeps_rounds_in_step}")
         if self._resume_from is not None and os.path.isfile(os.path.join(self._resume_from, OPTIMIZER_STATE)):
             load_rank_state(self.zoa.optimizer, self._resume_from)
         self._logged = (self.zoa.ledger.steps, self.zoa.ledger.payload_bits)

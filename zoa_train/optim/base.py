@@ -8,17 +8,24 @@ is broadcast from rank 0, so that all ranks start from the same point.
 A parameter whose .grad is None in a step counts as having a zero gradient, on every rank alike.
 """
 
+import contextlib
 import hashlib
+import logging
+import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from zoa_train.comm import Collective, CollectiveFactory, CommLedger, allreduce, group_size_rank, onebit_layout
+from zoa_train.comm.buckets import BucketedCollective
 from zoa_train.comm.onebit import OneBitLayout
 from zoa_train.errors import UserError
 from zoa_train.optim.deepspeed_names import translate
 from zoa_train.step_kinds import FULL, LOCAL, ONEBIT
+
+log = logging.getLogger(__name__)
 
 SPARSE = (
     "a parameter has a sparse gradient, which these optimizers do not support (their flat state and 1-bit error "
@@ -49,6 +56,20 @@ class StepRecord:
     bytes_sent: int
     interval: int = 1
     kind: str = FULL  # one character of zoa_train.step_kinds.STEP_KINDS
+
+
+class Span(NamedTuple):
+    """A run of one group's tensors whose round starts at once: a bucket (zoa_train/comm/buckets.py),
+    or the whole group under a collective without buckets."""
+
+    index: int  # the order rounds start in
+    group: int
+    tensors: tuple[int, ...]  # indices into the group's params
+    start: int  # its slice of the group's flat buffers
+    stop: int
+
+
+_UNDECIDED = object()  # no hook has asked yet what the coming step does
 
 
 class FlatGroup:
@@ -97,10 +118,26 @@ class FlatGroup:
             raise ValueError(SPARSE)
         return self.flatten(grads)
 
-    def split_by_grad(self, views: list[torch.Tensor]):
-        """(grads, views of params that have one, views of params that have none)."""
+    def flatten_into(self, flat: torch.Tensor, span: Span) -> None:
+        """Copy the gradients of `span`'s tensors into their views of `flat` (zeros where .grad is None)."""
+        views = self.views(flat)
+        pairs = []
+        for i in span.tensors:
+            grad = self.params[i].grad
+            if grad is not None and grad.is_sparse:
+                raise ValueError(SPARSE)
+            if grad is None:
+                views[i].zero_()
+            else:
+                pairs.append((views[i], grad))
+        if pairs:
+            torch._foreach_copy_(*map(list, zip(*pairs)))
+
+    def split_by_grad(self, views: list[torch.Tensor], params: list[torch.Tensor] | None = None):
+        """(grads, views of params that have one, views of params that have none), for `params`
+        (default: all of the group's) and their `views`."""
         grads, with_grad, without = [], [], []
-        for p, view in zip(self.params, views):
+        for p, view in zip(self.params if params is None else params, views):
             if p.grad is None:
                 without.append(view)
             else:
@@ -187,10 +224,145 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             self.collective = self._collective_factory(sizes, group=self.process_group, device=device, ledger=self.ledger)
         layouts = self.collective.layouts if self.collective is not None else [onebit_layout(s, 1) for s in sizes]
         self._flat = [FlatGroup(group["params"], layout) for group, layout in zip(self.param_groups, layouts)]
+        self._lay_out_spans()
         self._broadcast_parameters()
         self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in self._flat]
         self._scalars: list[dict[str, float]] = [{} for _ in self._flat]
         self._allocate_state()
+
+    # ---- rounds, and starting them during backward ------------------------------------------------
+
+    def _lay_out_spans(self) -> None:
+        """The spans rounds start in (the collective's buckets, else one per group) and, when the
+        collective overlaps, a hook on every trainable parameter that starts its bucket's round once
+        the bucket's gradients are final (docs/algorithm.md, "Overlap")."""
+        bucketed = isinstance(self.collective, BucketedCollective)
+        if bucketed:
+            self._spans = [Span(b.index, b.group, tuple(b.tensors), b.start, b.stop) for b in self.collective.buckets]
+        else:
+            self._spans = [Span(g, g, tuple(range(len(f.params))), 0, f.size) for g, f in enumerate(self._flat)]
+        self._bucketed = bucketed
+        for handle in getattr(self, "_hooks", []):
+            handle.remove()
+        self._hooks = []
+        self._span_of: dict[int, int] = {}
+        self._needed = [0] * len(self._spans)
+        for span in self._spans:
+            for i in span.tensors:
+                p = self._flat[span.group].params[i]
+                if p.requires_grad:
+                    self._span_of[id(p)] = span.index
+                    self._needed[span.index] += 1
+        # Whether hooks start rounds during backward; an owner whose gradients change after backward
+        # (clipping, loss-scale unscaling, a skipped step) turns it off.
+        self.overlap = bucketed and self.collective.overlap
+        if self.overlap:
+            # The parameters hold their hooks from C++, where the garbage collector cannot see a cycle:
+            # a hook holds the optimizer weakly, so that dropping it frees its buffers and process groups.
+            ready = weakref.WeakMethod(self._grad_ready)
+
+            def hook(param: torch.Tensor) -> None:
+                method = ready()
+                if method is not None:
+                    method(param)
+
+            params = [self._flat[s.group].params[i] for s in self._spans for i in s.tensors]
+            self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
+        self._accumulating = False
+        self._whole: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._reset_rounds()
+
+    def keep_rounds_in_step(self, reason: str) -> None:
+        """Start every round in step() from now on (`reason`: what changes the gradients after
+        backward, such as clipping), logging one line if rounds were started during backward."""
+        if self.overlap:
+            self.overlap = False
+            log.warning("%s: %s changes the gradients after backward, so its rounds start in step() (bucketed, not overlapped)", type(self).__name__, reason)
+
+    def _reset_rounds(self) -> None:
+        self._plan = _UNDECIDED
+        self._next_span = 0
+        self._ready = [0] * len(self._spans)
+        self._fired: set[int] = set()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside start no round: all micro-batches of a step but the last."""
+        accumulating, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = accumulating
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        """A post-accumulate-grad hook: once every trainable tensor of the next bucket(s) has its
+        final gradient, do their share of the step and start their rounds, in bucket order."""
+        if self._accumulating or not self.overlap or not self._bound:
+            return
+        if self._plan is _UNDECIDED:
+            self._plan = self._plan_step()
+        if self._plan is None:  # a step that communicates nothing, or that starts all in step()
+            return
+        key, span = id(param), self._span_of[id(param)]
+        if key in self._fired:
+            if span < self._next_span:
+                raise RuntimeError(
+                    f"{type(self).__name__}: a gradient was accumulated again after its bucket's exchange had started (a second backward "
+                    "before step(), or one after a zero_grad() without a step); run all but the last backward of a step under "
+                    "optimizer.no_sync(), and step() after it"
+                )
+            return
+        self._fired.add(key)
+        self._ready[span] += 1
+        while self._next_span < len(self._spans) and self._ready[self._next_span] >= self._needed[self._next_span]:
+            self._prepare(self._spans[self._next_span], self._plan)
+            self._next_span += 1
+
+    def _plan_step(self):
+        """What the coming step does, as `_prepare` needs it, decided without advancing anything;
+        None when it starts no round early (e.g. a local step)."""
+        return None
+
+    def _prepare(self, span: Span, plan) -> None:
+        """Do `span`'s share of a step that `plan` describes and start its round (`_start_exchange`,
+        `_start_allreduce`); in a hook (its gradients are final) or in step()."""
+        raise NotImplementedError
+
+    def _run_rounds(self, plan) -> None:
+        """Start the rounds of this step that no hook has started, in order, and wait for all."""
+        if self._plan is not _UNDECIDED and self._plan is not None and self._plan != plan:
+            raise RuntimeError(
+                f"{type(self).__name__}: the step changed between backward and step() (the lr or the schedule was changed after the "
+                "rounds had started); set the lr before backward, as lr schedulers do"
+            )
+        for span in self._spans[self._next_span :]:
+            self._prepare(span, plan)
+        self._next_span = len(self._spans)
+        self._wait_rounds()
+
+    def _start_exchange(self, span: Span, out: torch.Tensor, addend: torch.Tensor | None = None) -> None:
+        """Start the 1-bit exchange of `span`: its accumulator (+ addend) averaged into `out` (both
+        buffers of its group). Without buckets every group's exchange waits for one call over all."""
+        if self._bucketed:
+            self.collective.start_exchange(span.index, out, addend)
+        else:
+            self._whole[span.group] = (out, addend)
+
+    def _start_allreduce(self, span: Span, tensor: torch.Tensor) -> None:
+        """Start the full-precision average of `span`'s slice of `tensor` (a buffer of its group), in place."""
+        if self._bucketed:
+            self.collective.start_allreduce(span.index, tensor, self.allreduce_dtype)
+        else:
+            self._allreduce(self._flat[span.group], tensor)
+
+    def _wait_rounds(self) -> None:
+        if self._bucketed:
+            self.collective.wait()
+        elif self._whole:
+            pairs = [self._whole[g] for g in range(len(self._flat))]
+            addends = [a for _, a in pairs]
+            self.collective.exchange([o for o, _ in pairs], addends if all(a is not None for a in addends) else None)
+            self._whole = {}
 
     def _allocate_state(self) -> None:
         """Fill `self._buffers` and `self._scalars` for the layout in `self._flat` (the parameters are rank 0's by now)."""
@@ -314,7 +486,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        synced, variance_updated, interval = self._step()
+        try:
+            synced, variance_updated, interval = self._step()
+        finally:
+            self._reset_rounds()
         if synced:
             self._average_tensors(in_step=True)
         comm = self.ledger.end_step()

@@ -60,14 +60,42 @@ class OneBitAdam(DataParallelOptimizer):
             # Holds v during warm-up and, once frozen, its final denominator sqrt(v/bc2)+eps.
             buffers["exp_avg_sq"] = flat.keep(flat.zeros())
             scalars.update(variance_updates=0, frozen=0)
+        self._grads: dict[int, torch.Tensor] = {}  # per group, a warm-up step's averaged gradient
 
     @property
     def variance_updates(self) -> int:
         return min(self.step_count, self.freeze_step)
 
+    def _plan_step(self) -> str:
+        return "warmup" if self.step_count < self.freeze_step else "onebit"
+
+    def _prepare(self, span, plan: str) -> None:
+        """A warm-up step: the span's gradients into the group's gradient buffer, averaged in full
+        precision. After it: the span's momentum updated from this rank's gradients, then averaged
+        by the 1-bit exchange in place."""
+        flat, m = self._flat[span.group], self._buffers[span.group]["exp_avg"]
+        if plan == "warmup":
+            if not flat.numel:
+                return
+            if span.group not in self._grads:
+                self._grads[span.group] = flat.zeros()
+            flat.flatten_into(self._grads[span.group], span)
+            self._start_allreduce(span, self._grads[span.group])
+            return
+        if flat.numel:
+            beta1 = self.param_groups[span.group]["betas"][0]
+            views = flat.views(m)
+            grads, with_grad, without = flat.split_by_grad([views[i] for i in span.tensors], [flat.params[i] for i in span.tensors])
+            if with_grad:
+                torch._foreach_lerp_(with_grad, grads, 1 - beta1)
+            if without:
+                torch._foreach_mul_(without, beta1)
+        self._start_exchange(span, m, m)
+
     def _step(self) -> tuple[bool, bool, int]:
         t = self.step_count
         warmup = t < self.freeze_step
+        self._run_rounds(self._plan_step())
         denominators = {}
         for index, (group, flat, buffers, scalars) in enumerate(zip(self.param_groups, self._flat, self._buffers, self._scalars)):
             if not flat.numel:
@@ -76,7 +104,7 @@ class OneBitAdam(DataParallelOptimizer):
             corrected = group["bias_correction"]
             m, v = buffers["exp_avg"], buffers["exp_avg_sq"]
             if warmup:
-                grad = self._allreduce(flat, flat.flat_grad())
+                grad = self._grads.pop(index)
                 m.lerp_(grad, 1 - beta1)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 scalars["variance_updates"] += 1
@@ -86,12 +114,7 @@ class OneBitAdam(DataParallelOptimizer):
                     v.copy_(self._denominator(v, eps, 1 - beta2 ** scalars["variance_updates"] if corrected else 1.0))
                     scalars["frozen"] = 1
                 denominators[index] = v
-                grads, with_grad, without = flat.split_by_grad(flat.views(m))
-                torch._foreach_lerp_(with_grad, grads, 1 - beta1)
-                if without:
-                    torch._foreach_mul_(without, beta1)
-        if not warmup:  # one 1-bit call averages every group's momentum
-            self.collective.op([buffers["exp_avg"] for buffers in self._buffers])
+        self._grads.clear()
         for index, denom in denominators.items():
             group, flat = self.param_groups[index], self._flat[index]
             beta1, lr = group["betas"][0], group["lr"]

@@ -41,7 +41,9 @@ nothing sent), the plan also predicts step and total time. DDP (Adam and every o
 sync itself) overlaps its bucketed allreduce with backward: buckets of `bucket_bytes` (DDP's 25 MiB,
 the first 1 MiB) become ready as backward (`backward_fraction` of the step) proceeds, each starts
 when it is ready and the previous one is done, and only what is left when backward ends adds to the
-step. The 1-bit optimizers communicate inside `step()`, after backward: nothing of theirs overlaps.
+step. The 1-bit optimizers communicate inside `step()`, after backward, unless their rounds overlap
+backward (`StepCosts.overlap`, a recipe's comm.overlap): then each round is modelled as DDP's is, in
+buckets of `overlap_bucket_bytes` (comm.bucket_cap_mb), and only its exposed part adds to the step.
 """
 
 import math
@@ -96,6 +98,8 @@ class StepCosts:
     compress_rate: float = math.inf  # buffer elements per second a rank encodes and decodes in a 1-bit call
     reduce_rate: float = math.inf  # elements per second a rank sends and sums in full precision (a ring: 2(n-1)/n of the buffer)
     bucket_bytes: int = DDP_BUCKET_BYTES
+    overlap: bool = False  # the 1-bit optimizers' rounds start during backward (comm.overlap)
+    overlap_bucket_bytes: int = DDP_BUCKET_BYTES  # in buckets of this many bytes of fp32 (comm.bucket_cap_mb)
 
 
 @dataclass(frozen=True)
@@ -165,18 +169,26 @@ def hierarchical_allreduce_cost(numel: int, element_size: int, cluster: Cluster,
 
 
 def ddp_exposed_time(numel: int, element_size: int, cluster: Cluster, costs: StepCosts) -> float:
-    """Seconds DDP's allreduce adds to a step after backward: buckets, smallest first, each started when
-    backward has produced it and the previous bucket is done."""
-    total = numel * 4  # DDP buckets by the fp32 gradients' bytes
-    sizes = [min(DDP_FIRST_BUCKET_BYTES, total)]
+    """Seconds DDP's allreduce adds to a step after backward (`exposed_time` of its buckets, the first
+    of DDP's 1 MiB)."""
+    seconds = lambda elements: allreduce_cost(elements, element_size, cluster, costs.reduce_rate).seconds  # noqa: E731
+    return exposed_time(numel, seconds, costs, costs.bucket_bytes, DDP_FIRST_BUCKET_BYTES)
+
+
+def exposed_time(numel: int, bucket_seconds: Callable[[int], float], costs: StepCosts, bucket_bytes: int, first_bucket_bytes: int | None = None) -> float:
+    """Seconds a bucketed round adds to a step after backward: buckets of `bucket_bytes` of fp32 (the
+    first of `first_bucket_bytes`) become ready as backward proceeds, each starts when it is ready and
+    the previous one is done (`bucket_seconds(elements)` each), and what is left when backward ends
+    is exposed."""
+    total = numel * 4
+    sizes = [min(first_bucket_bytes or bucket_bytes, total)]
     while sum(sizes) < total:
-        sizes.append(min(costs.bucket_bytes, total - sum(sizes)))
+        sizes.append(min(bucket_bytes, total - sum(sizes)))
     backward = costs.backward_fraction * costs.step_time
     done, ready = 0.0, 0
     for size in sizes:
         ready += size
-        bucket = allreduce_cost(-(-size // 4), element_size, cluster, costs.reduce_rate).seconds
-        done = max(done, backward * ready / total) + bucket
+        done = max(done, backward * ready / total) + bucket_seconds(-(-size // 4))
     return max(0.0, done - backward)
 
 
@@ -192,6 +204,7 @@ def _summary(
     world_size: int,
     compute_s: float | None,
     fp_step_s: float,
+    onebit_step_s: float | None = None,
 ) -> dict:
     """Totals of one optimizer from its counts of full-precision and 1-bit allreduces of the whole
     model, and of its allreduces of parts (`part_cost(elements, element_size)` for each: none overlaps
@@ -217,7 +230,7 @@ def _summary(
         **({"warning": counts.warning} if counts.warning else {}),
     }
     if compute_s is not None:
-        total = steps * compute_s + f * fp_step_s + o * onebit.seconds + part_seconds
+        total = steps * compute_s + f * fp_step_s + o * (onebit.seconds if onebit_step_s is None else onebit_step_s) + part_seconds
         summary |= {"step_time_s": total / steps if steps else 0.0, "total_time_s": total}
     return summary
 
@@ -275,14 +288,21 @@ def plan(
     cluster = Cluster(world_size // ranks_per_node, ranks_per_node, bandwidth_bytes_per_s, latency_s, intra_bandwidth_bytes_per_s, backend)
     element = allreduce_bits // 8
     rate, reduce = (costs.compress_rate, costs.reduce_rate) if costs else (math.inf, math.inf)
-    flat_fp = allreduce_cost(num_params, element, cluster, reduce)
-    # (full-precision round, 1-bit round) of each topology of the 1-bit optimizers' collective
-    topologies = {"flat": (flat_fp, flat_onebit_cost(num_params, cluster, rate))}
+    # per topology of the 1-bit optimizers' collective, the cost of a (full-precision, 1-bit) round of
+    # `elements`; and what each adds to a step: all of it, or with overlap what backward does not hide
+    rounds = {"flat": (lambda elements: allreduce_cost(elements, element, cluster, reduce), lambda elements: flat_onebit_cost(elements, cluster, rate))}
     if cluster.nodes > 1 and ranks_per_node > 1:
-        topologies["hierarchical"] = (
-            hierarchical_allreduce_cost(num_params, element, cluster, reduce),
-            hierarchical_onebit_cost(num_params, element, cluster, rate, reduce),
+        rounds["hierarchical"] = (
+            lambda elements: hierarchical_allreduce_cost(elements, element, cluster, reduce),
+            lambda elements: hierarchical_onebit_cost(elements, element, cluster, rate, reduce),
         )
+    topologies = {name: (fp(num_params), onebit(num_params)) for name, (fp, onebit) in rounds.items()}
+
+    def added(cost) -> float | None:
+        if costs is None or not costs.overlap:
+            return None
+        return exposed_time(num_params, lambda elements: cost(elements).seconds, costs, costs.overlap_bucket_bytes)
+
     result = {}
     for name in registry.names():
         spec = registry.get(name)
@@ -300,8 +320,11 @@ def plan(
                 allreduce_bits=allreduce_bits,
                 world_size=world_size,
                 compute_s=compute,
-                # What a full-precision step adds: all of it in step(), DDP's exposed part only.
-                fp_step_s=fp.seconds if spec.uses_collective or costs is None else ddp_exposed_time(num_params, element, cluster, costs),
+                # What a full-precision step adds: all of it in step(), the exposed part of DDP's or an overlapped one.
+                fp_step_s=(fp.seconds if added(rounds[topology][0]) is None else added(rounds[topology][0]))
+                if spec.uses_collective or costs is None
+                else ddp_exposed_time(num_params, element, cluster, costs),
+                onebit_step_s=added(rounds[topology][1]),
             )
             for topology, (fp, onebit) in (topologies.items() if spec.uses_collective else [("flat", topologies["flat"])])
         }

@@ -24,7 +24,6 @@ the optimizer average them at every sync and in `average_statistics()` (before v
 checkpoints). Under DDP they keep DDP's behaviour (rank 0's buffers broadcast at each forward).
 """
 
-import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol
@@ -252,7 +251,7 @@ class SelfSyncing:
         optimizer.average_at_sync(batchnorm_statistics(model))
 
     def no_sync(self):
-        return contextlib.nullcontext()
+        return self.optimizer.no_sync()
 
     def _check_parameters(self) -> None:
         """Refuse a trainable set that changed since the build, or a sparse gradient (a loop over the

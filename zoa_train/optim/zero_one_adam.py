@@ -122,7 +122,9 @@ class ZeroOneAdam(DataParallelOptimizer):
             buffers["exp_avg_sq"] = flat.keep(flat.zeros())
             buffers["anchor"] = flat.keep(flat.flatten([p.detach() for p in flat.params]))
             scalars.update(lr_sum=0.0, decay=1.0, frozen=0)
-        self._root_numels: dict[int, torch.Tensor] = {}  # per group: sqrt(numel) of each tensor, for _clipped
+        self._root_numels: dict[tuple[int, int], torch.Tensor] = {}  # per span: sqrt(numel) of each tensor, for _clipped
+        self._denominators: dict[int, torch.Tensor] = {}  # per group, this step's (see _step_denominator)
+        self._grads: dict[int, torch.Tensor] = {}  # per group, a variance step's averaged gradient
 
     def synchronize(self) -> None:
         """Sync now if local steps are pending (e.g. before an evaluation), so all ranks agree; the
@@ -130,7 +132,11 @@ class ZeroOneAdam(DataParallelOptimizer):
         if not self.schedule.steps_since_sync:
             return super().synchronize()
         with torch.no_grad():
-            self._sync(local_steps_taken=True)
+            for span in self._spans:
+                self._start_sync(span, local_steps_taken=True)
+            self._wait_rounds()
+            self._finish_syncs()
+            self._denominators.clear()
         self.schedule.steps_since_sync = 0
         self._average_tensors(in_step=True)
         self.ledger.end_step()
@@ -157,10 +163,60 @@ class ZeroOneAdam(DataParallelOptimizer):
     def _kind(self, synced: bool, variance_updated: bool) -> str:
         return VARIANCE if variance_updated else super()._kind(synced, variance_updated)
 
+    def _plan_step(self):
+        """The coming step's decision, taken on a copy of the schedule (None for a local step)."""
+        schedule = copy.copy(self.schedule)
+        decision = schedule.advance(self._lead_lr())
+        return (decision, self.schedule.steps_since_sync > 0) if decision.sync else None
+
+    def _prepare(self, span, plan) -> None:
+        """A variance step: the span's gradients averaged in full precision. A sync step: the span's
+        momentum updated from this rank's gradients, this step's displacement (and the period's)
+        accumulated, and its 1-bit exchange started."""
+        decision, local_steps_taken = plan
+        index, flat = span.group, self._flat[span.group]
+        if decision.variance_update:
+            if not flat.numel:
+                return
+            if index not in self._grads:
+                self._grads[index] = flat.zeros()
+            flat.flatten_into(self._grads[index], span)
+            self._start_allreduce(span, self._grads[index])
+            return
+        if flat.numel:
+            group, m = self.param_groups[index], self._buffers[index]["exp_avg"]
+            beta1, t = group["betas"][0], decision.step
+            step_size = group["lr"] / (1 - beta1 ** (t + 1)) if group["bias_correction"] else group["lr"]
+            m_views = flat.views(m)
+            grads, with_grad, without = flat.split_by_grad([m_views[i] for i in span.tensors], [flat.params[i] for i in span.tensors])
+            if with_grad:
+                torch._foreach_lerp_(with_grad, grads, 1 - beta1)
+            if without:
+                torch._foreach_mul_(without, beta1)
+            denom = self._step_denominator(index, t + 1)
+            numerator = m[span.start : span.stop]  # this step's displacement is step_size * numerator / denom
+            if group["update_clip"] and t < self.schedule.var_freeze_step:
+                numerator = self._clipped(index, span, m, denom, group["update_clip"])
+            self.collective.accumulators[index][span.start : span.stop].addcdiv_(numerator, denom[span.start : span.stop], value=step_size)
+        self._start_sync(span, local_steps_taken)
+
+    def _start_sync(self, span, local_steps_taken: bool) -> None:
+        """After local steps, their displacement anchor - x joins w first (local steps do not
+        accumulate it, which keeps them one pass over x and one over m, as cheap as a fused AdamW
+        step); then the span's w is averaged by the 1-bit exchange into m (m <- w_bar)."""
+        flat, buffers = self._flat[span.group], self._buffers[span.group]
+        if local_steps_taken and flat.numel:
+            anchors, accumulators = flat.views(buffers["anchor"]), flat.views(self.collective.accumulators[span.group])
+            displacement = torch._foreach_sub([anchors[i] for i in span.tensors], [flat.params[i] for i in span.tensors])
+            torch._foreach_add_([accumulators[i] for i in span.tensors], displacement)
+        self._start_exchange(span, buffers["exp_avg"])
+
     def _step(self) -> tuple[bool, bool, int]:
-        local_steps_taken = self.schedule.steps_since_sync > 0  # (the interval may have changed since)
+        plan = self._plan_step()
         decision = self.schedule.advance(self._lead_lr())
         t = decision.step
+        if decision.sync:
+            self._run_rounds(plan)
         for index, (group, flat, buffers, scalars) in enumerate(zip(self.param_groups, self._flat, self._buffers, self._scalars)):
             if not flat.numel:
                 continue
@@ -170,68 +226,68 @@ class ZeroOneAdam(DataParallelOptimizer):
             params, m_views = flat.params, flat.views(m)
 
             if decision.variance_update:  # a sync: every rank gets the same averaged gradient
-                grad = self._allreduce(flat, flat.flat_grad())
+                grad = self._grads.pop(index)
                 v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 m.lerp_(grad, 1 - beta1)
                 if wd:
                     torch._foreach_mul_(params, 1 - lr * wd)
-                torch._foreach_addcdiv_(params, m_views, flat.views(self._denominator_of(index, group)), value=-step_size)
+                torch._foreach_addcdiv_(params, m_views, flat.views(self._step_denominator(index, t + 1)), value=-step_size)
                 torch._foreach_copy_(flat.views(buffers["anchor"]), params)
                 scalars.update(lr_sum=0.0, decay=1.0)
                 continue
-
-            grads, with_grad, without = flat.split_by_grad(m_views)
-            torch._foreach_lerp_(with_grad, grads, 1 - beta1)
-            if without:
-                torch._foreach_mul_(without, beta1)
-            denom = self._denominator_of(index, group)
-            numerator = m  # this step's displacement is step_size * numerator / denom
-            if group["update_clip"] and t < self.schedule.var_freeze_step:
-                numerator = self._clipped(index, flat, m, denom, group["update_clip"])
             scalars["lr_sum"] += step_size
             scalars["decay"] *= 1 - lr * wd
-            if decision.sync:  # this step's displacement goes straight into w
-                self.collective.accumulators[index].addcdiv_(numerator, denom, value=step_size)
-            else:  # a local step: Adam's step with the frozen d; the sync applies the weight decay
-                torch._foreach_addcdiv_(params, flat.views(numerator), flat.views(denom), value=-step_size)
+            if decision.sync:  # the displacement went into w in _prepare
+                continue
+            # a local step: Adam's step with the frozen d; the sync applies the weight decay
+            grads, with_grad, without = flat.split_by_grad(m_views)
+            if with_grad:
+                torch._foreach_lerp_(with_grad, grads, 1 - beta1)
+            if without:
+                torch._foreach_mul_(without, beta1)
+            denom = self._step_denominator(index, t + 1)
+            numerator = m
+            if group["update_clip"] and t < self.schedule.var_freeze_step:
+                numerator = self._clipped(index, None, m, denom, group["update_clip"])
+            torch._foreach_addcdiv_(params, flat.views(numerator), flat.views(denom), value=-step_size)
+        self._grads.clear()
         if decision.sync and not decision.variance_update:
-            self._sync(local_steps_taken)
+            self._finish_syncs()
+        self._denominators.clear()
         return decision.sync, decision.variance_update, decision.interval
 
-    def _clipped(self, index: int, flat, m: torch.Tensor, denom: torch.Tensor, limit: float) -> torch.Tensor:
-        """A copy of m scaled per tensor so that the RMS of each tensor's m/d is at most `limit`
-        (Adafactor's update clipping). Used before the variance freeze on the steps between variance
-        updates: v does not hold their gradients, and early in training a gradient that outgrows the
-        last v gives steps of unbounded size, which the 1-bit error feedback then replays. After the
-        freeze v is the final preconditioner (as in 1-bit Adam) and a persistent m/d above 1 is
-        wanted. The copies are made only here, so steps after the freeze allocate nothing."""
-        ratio = flat.views(m / denom)
-        if index not in self._root_numels:
-            self._root_numels[index] = torch.tensor([r.numel() ** 0.5 for r in ratio], device=m.device)
-        rms = torch.stack(torch._foreach_norm(ratio)).div_(self._root_numels[index])
-        clipped = m.clone()
-        torch._foreach_mul_(flat.views(clipped), list(rms.div_(limit).clamp_(min=1.0).reciprocal_().unbind()))
+    def _clipped(self, index: int, span, m: torch.Tensor, denom: torch.Tensor, limit: float) -> torch.Tensor:
+        """A copy of m (of `span`'s slice of it, or all of it for None) scaled per tensor so that the
+        RMS of each tensor's m/d is at most `limit` (Adafactor's update clipping). Used before the
+        variance freeze on the steps between variance updates: v does not hold their gradients, and
+        early in training a gradient that outgrows the last v gives steps of unbounded size, which
+        the 1-bit error feedback then replays. After the freeze v is the final preconditioner (as in
+        1-bit Adam) and a persistent m/d above 1 is wanted. The copies are made only here, so steps
+        after the freeze allocate nothing. Per tensor, so a bucket's share is the same as the group's."""
+        flat = self._flat[index]
+        start, stop, tensors = (0, flat.size, range(len(flat.params))) if span is None else (span.start, span.stop, span.tensors)
+        ratio = m[start:stop] / denom[start:stop]
+        clipped = m[start:stop].clone()
+        places = [(flat.offsets[i] - start, flat.params[i]) for i in tensors]
+        ratios = [ratio[o : o + p.numel()] for o, p in places]
+        key = (index, start)
+        if key not in self._root_numels:
+            self._root_numels[key] = torch.tensor([p.numel() ** 0.5 for _, p in places], device=m.device)
+        rms = torch.stack(torch._foreach_norm(ratios)).div_(self._root_numels[key])
+        torch._foreach_mul_([clipped[o : o + p.numel()] for o, p in places], list(rms.div_(limit).clamp_(min=1.0).reciprocal_().unbind()))
         return clipped
 
-    def _sync(self, local_steps_taken: bool) -> None:
-        """x <- decay*anchor - w_bar and m <- w_bar*denom/lr_sum in every group, from data identical
-        on every rank; one 1-bit call for all groups. After local steps, their displacement
-        anchor - x joins w first (local steps do not accumulate it, which keeps them one pass
-        over x and one over m, as cheap as a fused AdamW step)."""
-        if local_steps_taken:
-            for index, (flat, buffers) in enumerate(zip(self._flat, self._buffers)):
-                if flat.numel:
-                    displacement = torch._foreach_sub(flat.views(buffers["anchor"]), flat.params)
-                    torch._foreach_add_(flat.views(self.collective.accumulators[index]), displacement)
-        self.collective.exchange([buffers["exp_avg"] for buffers in self._buffers])  # m <- w_bar, the averaged displacement
+    def _finish_syncs(self) -> None:
+        """x <- decay*anchor - w_bar and m <- w_bar*denom/lr_sum in every group, once every exchange
+        has put w_bar (identical on every rank) into m."""
         for index, flat in enumerate(self._flat):
             if flat.numel:
                 self._finish_sync(index)
 
     def _finish_sync(self, index: int) -> None:
-        group, flat, buffers, scalars = self.param_groups[index], self._flat[index], self._buffers[index], self._scalars[index]
+        flat, buffers, scalars = self._flat[index], self._buffers[index], self._scalars[index]
         m, anchor = buffers["exp_avg"], buffers["anchor"]  # m holds w_bar
-        denom = self._denominator_of(index, group)
+        denom = self._step_denominator(index, self.schedule.step)
         # Where v == 0 (denom = inf) w_bar is compression noise only: w_bar*denom is +-inf or nan
         # there, and zeroing non-finite values keeps those coordinates still without building a mask.
         m.mul_(denom).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
@@ -245,17 +301,22 @@ class ZeroOneAdam(DataParallelOptimizer):
             m.div_(scalars["lr_sum"])
         scalars.update(lr_sum=0.0, decay=1.0)
 
-    def _denominator_of(self, index: int, group: dict) -> torch.Tensor:
-        """sqrt(v / bc2) + eps; computed each step until the freeze, then kept in place of v."""
-        v, scalars = self._buffers[index]["exp_avg_sq"], self._scalars[index]
+    def _step_denominator(self, index: int, steps_after: int) -> torch.Tensor:
+        """sqrt(v / bc2) + eps for the step that leaves the schedule at `steps_after` steps (v as it
+        is now), computed once per step (kept until the step ends); once no variance update can
+        follow it replaces v in place."""
+        if index in self._denominators:
+            return self._denominators[index]
+        v, scalars, group = self._buffers[index]["exp_avg_sq"], self._scalars[index], self.param_groups[index]
         if scalars["frozen"]:
             return v
         beta2 = group["betas"][1]
         updates = self.schedule.variance_updates
         bias_correction2 = 1 - beta2**updates if group["bias_correction"] and updates else 1.0
         denom = self._denominator(v, group["eps"], bias_correction2)
-        if self.schedule.step >= self.schedule.var_freeze_step:  # no variance update can follow
+        if steps_after >= self.schedule.var_freeze_step:  # no variance update can follow
             v.copy_(denom)
             scalars["frozen"] = 1
-            return v
+            denom = v
+        self._denominators[index] = denom
         return denom

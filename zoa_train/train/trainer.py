@@ -179,8 +179,10 @@ class Trainer:
         # bf16 full-precision rounds: the node-aware sync's reduce-scatter inside the node in bf16 too;
         # fp16 would need the scale that flat fp16 rounds take, so it (and fp32) stays fp32 there.
         intra_dtype = torch.bfloat16 if recipe.optimizer.allreduce_dtype == "bf16" else torch.float32
-        sync = ClusterCollective(recipe.comm.topology, recipe.comm.ranks_per_node, intra_dtype, recipe.comm.kernels)
+        c = recipe.comm
+        sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap)
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync)
+        self._no_overlap_when_gradients_change(recipe)
         if sync.chosen and self.is_main:
             if sync.chosen.startswith("hierarchical"):  # flat on one node is what everyone expects: not said
                 print(sync.chosen, flush=True)
@@ -227,6 +229,16 @@ class Trainer:
         warning = spec.plan(context).warning
         if warning and self.is_main:
             log.warning(warning)
+
+    def _no_overlap_when_gradients_change(self, recipe: Recipe) -> None:
+        """Rounds started during backward use the gradients as backward left them: a run that changes
+        them afterwards starts its rounds in step() instead."""
+        t, optimizer = recipe.train, self.opt.optimizer
+        reason = (
+            "train.grad_clip" if t.grad_clip > 0 else "fp16 loss scaling" if t.precision == "fp16" else "train.skip_nonfinite" if t.skip_nonfinite else None
+        )
+        if reason and hasattr(optimizer, "keep_rounds_in_step"):
+            optimizer.keep_rounds_in_step(reason)
 
     # ---- the loop -----------------------------------------------------------------------------
 

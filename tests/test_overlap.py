@@ -1,0 +1,138 @@
+"""The 1-bit rounds in buckets, started during backward (zoa_train/comm/buckets.py): the overlapped
+path equals the same buckets run in step(), bit for bit, for 1-bit Adam and 0/1 Adam (variance,
+sync and local steps), on 2 and 3 ranks and 2 x 2 nodes, with gradient accumulation, unused
+parameters and an exact resume; ranks identical after every sync."""
+
+import contextlib
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_harness import run_ranks
+
+from zoa_train.comm import ClusterCollective, OneBitAllReduce
+from zoa_train.comm.buckets import BucketedCollective, plan_buckets
+from zoa_train.optim import OneBitAdam, ZeroOneAdam
+
+CAP_MB = 4096 * 4 / 2**20  # buckets of at most 4,096 elements: several per group in the model below
+
+
+def test_buckets_hold_whole_tensors_of_one_group_in_reverse_order():
+    sizes = [[3000, 10, 5000, 2000], [10, 10]]
+    buckets = plan_buckets(sizes, 2, 4096, 1024)
+    assert [(b.group, b.tensors) for b in buckets] == [(1, [1, 0]), (0, [3]), (0, [2]), (0, [1, 0])]
+    for g, group in enumerate(sizes):  # every tensor once, the group's buckets back to back
+        mine = [b for b in buckets if b.group == g]
+        assert sorted(i for b in mine for i in b.tensors) == list(range(len(group)))
+        assert [b.start for b in mine] == [0] + [b.stop for b in mine[:-1]]
+    assert buckets[2].layout.numel == 5000  # larger than the cap: alone
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(16, 64)
+        self.hidden = torch.nn.ModuleList(torch.nn.Linear(64, 64) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(64)
+        self.extra = torch.nn.Linear(64, 64)  # unused on some steps of some ranks
+        self.head = torch.nn.Linear(64, 4)
+
+    def forward(self, x, use_extra=True):
+        h = torch.tanh(self.embed(x))
+        for layer in self.hidden:
+            h = h + torch.tanh(layer(h))
+        if use_extra:
+            h = h + self.extra(h)
+        return self.head(self.norm(h))
+
+
+def _optimizer(name, model, collective):
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and p.dim() == 2]
+    rest = [p for n, p in model.named_parameters() if not (n.endswith("weight") and p.dim() == 2)]
+    groups = [{"params": decay, "weight_decay": 0.01}, {"params": rest, "weight_decay": 0.0}]
+    if name == "onebit_adam":
+        return OneBitAdam(groups, lr=3e-3, freeze_step=3, collective=collective)
+    return ZeroOneAdam(groups, lr=3e-3, var_freeze_step=6, var_update_scaler=1, local_steps="fixed", local_step_interval=2, collective=collective)
+
+
+def _train(rank, name, collective, steps, accum=2, state=None, first=0):
+    """Train `steps` steps from step `first` (from `state` if given); each step's parameters, error
+    buffers, whether the step synced and how many buckets had started before step()."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = _optimizer(name, model, collective)
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+    records = []
+    for step in range(first, first + steps):
+        generator = torch.Generator().manual_seed(1000 * step + rank)
+        for micro in range(accum):
+            x = torch.randn(8, 16, generator=generator)
+            with opt.no_sync() if micro < accum - 1 else contextlib.nullcontext():
+                model(x, use_extra=not (rank == 0 and step % 3 == 0)).pow(2).mean().backward()
+        started = opt._next_span
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        errors = [a.clone() for a in opt.collective.accumulators]
+        records.append(([p.detach().clone() for p in model.parameters()], errors, opt.last_step.synced, started))
+    return records, {"model": model.state_dict(), "optimizer": opt.state_dict()}
+
+
+def _paths(rank, world_size, ranks_per_node):
+    """Every optimizer, bucketed in step() and overlapped, and the overlapped run resumed half way."""
+    if ranks_per_node:
+        factory = functools.partial(ClusterCollective, "hierarchical", ranks_per_node)
+    else:
+        factory = functools.partial(lambda **kw: functools.partial(BucketedCollective, inner=OneBitAllReduce, **kw))
+    results = {}
+    for name in ("onebit_adam", "zero_one_adam"):
+        plain, _ = _train(rank, name, factory(bucket_cap_mb=CAP_MB, overlap=False), 12)
+        overlapped, _ = _train(rank, name, factory(bucket_cap_mb=CAP_MB, overlap=True), 12)
+        half, state = _train(rank, name, factory(bucket_cap_mb=CAP_MB, overlap=True), 7)
+        resumed, _ = _train(rank, name, factory(bucket_cap_mb=CAP_MB, overlap=True), 5, state=state, first=7)
+        results[name] = (plain, overlapped, half + resumed)
+    dist.barrier()
+    return results
+
+
+@pytest.mark.parametrize(("world_size", "ranks_per_node"), [(2, 0), (3, 0), (4, 2)])
+def test_overlapped_rounds_equal_the_same_buckets_in_step_bit_for_bit(world_size, ranks_per_node):
+    every = run_ranks(_paths, world_size, ranks_per_node, timeout=600)
+    for name in ("onebit_adam", "zero_one_adam"):
+        for rank, results in enumerate(every):
+            plain, overlapped, resumed = results[name]
+            for step, (a, b, c) in enumerate(zip(plain, overlapped, resumed)):
+                for x, y, z in zip(a[0] + a[1], b[0] + b[1], c[0] + c[1]):
+                    assert torch.equal(x, y), f"{name} rank {rank} step {step}: overlapped differs"
+                    assert torch.equal(x, z), f"{name} rank {rank} step {step}: resumed differs"
+                assert a[2] == b[2]
+            # the overlapped run started rounds during backward (all but those after an unused parameter)
+            assert any(r[3] > 0 for r in overlapped) and all(r[3] == 0 for r in plain)
+        for step in range(12):  # every rank on the same parameters after a sync
+            if every[0][name][1][step][2]:
+                for other in every[1:]:
+                    for x, y in zip(every[0][name][1][step][0], other[name][1][step][0]):
+                        assert torch.equal(x, y), f"{name} step {step}: ranks differ after a sync"
+
+
+def _second_backward(rank, world_size):
+    torch.manual_seed(0)
+    model = Net()
+    opt = _optimizer("onebit_adam", model, functools.partial(BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=CAP_MB, overlap=True))
+    x = torch.randn(8, 16)
+    model(x).sum().backward()
+    try:
+        model(x).sum().backward()
+    except RuntimeError as error:
+        message = str(error)
+    else:
+        message = None
+    opt.step()  # the rounds that did start finish: the ranks stay matched
+    return message
+
+
+def test_a_second_backward_without_no_sync_is_refused():
+    messages = run_ranks(_second_backward, 2)
+    assert all(m and "no_sync()" in m for m in messages)

@@ -1,0 +1,314 @@
+"""The 1-bit exchange in buckets, started while backward still runs (docs/algorithm.md, "Overlap").
+
+DDP hides its allreduce behind backward by cutting the gradients into buckets of whole tensors, in
+reverse registration order (roughly the order backward finishes them), and starting each bucket's
+allreduce as soon as its gradients are final. BucketedCollective does the same for the 1-bit
+optimizers' exchanges: each parameter group's tensors are cut into buckets of at most
+`bucket_cap_mb` MB of fp32 (a larger tensor alone), each bucket a collective of its own (its own
+1-bit layout, rows, chunks and error buffers: OneBitAllReduce or the node-aware one), and a group's
+flat buffer is its buckets' buffers back to back. The optimizer does a bucket's share of the step
+(its momentum, its displacement) when the bucket's gradients are final and starts its exchange;
+`wait()` returns when every started exchange is done.
+
+With `overlap`, exchanges run in the order they are started on one background thread per
+collective (and, on a GPU, its own stream), over process groups of their own, so the caller's
+collectives (a loss average, an overflow check) never interleave with them. Buckets are started
+in bucket order on every rank, which is what keeps the ranks' collectives matched. Without
+`overlap` each exchange runs when it is started, in the caller: the same arithmetic, bucket for
+bucket, so the two paths agree to the bit.
+"""
+
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+
+from zoa_train.comm.collectives import group_size_rank
+from zoa_train.comm.ledger import CommLedger
+from zoa_train.comm.onebit import SCALE_ROW, OneBitLayout, TopologyChanged, _buffer_sizes, collective_device, onebit_layout, relayout
+
+BUCKET_CAP_MB = 25.0  # DDP's default
+
+
+class GroupLayout(NamedTuple):
+    """Where each tensor of a parameter group lies in its flat buffer: its buckets' layouts back to back."""
+
+    sizes: tuple[int, ...]
+    offsets: tuple[int, ...]
+    padded: int
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    @property
+    def active(self) -> bool:
+        return self.padded > self.numel or any(self.sizes)
+
+
+@dataclass
+class Bucket:
+    """A run of whole tensors of one parameter group, exchanged by a collective of its own."""
+
+    index: int  # its place in the order buckets are started
+    group: int
+    tensors: list[int]  # the tensors' indices in their group, in the order the bucket lays them out
+    start: int  # its slice of the group's flat buffer
+    stop: int
+    layout: OneBitLayout
+    comm: object = None  # a Collective of one buffer
+
+    @property
+    def numel(self) -> int:
+        return self.layout.numel
+
+
+def plan_buckets(sizes: Sequence[Sequence[int]], world_size: int, cap_elements: int, scale_row: int) -> list[Bucket]:
+    """Buckets of whole tensors, each from one group, in the order their gradients are expected to be
+    final: the tensors of all groups in reverse order (the groups' tensors taken as listed, group after
+    group), each group's run cut when it would pass `cap_elements` (a larger tensor is a bucket alone),
+    and the buckets in the order of their earliest-listed tensor, latest first."""
+    order = [(g, i) for g, group in enumerate(sizes) for i in range(len(group))][::-1]
+    open_runs: dict[int, list[int]] = {}
+    runs: list[tuple[int, list[int]]] = []
+    for g, i in order:
+        run = open_runs.get(g)
+        if run and sum(sizes[g][j] for j in run) + sizes[g][i] > cap_elements:
+            runs.append((g, run))
+            run = None
+        if run is None:
+            run = open_runs[g] = []
+        run.append(i)
+    runs += [(g, run) for g, run in open_runs.items() if run]
+    # a bucket is complete when its earliest-listed tensor is: start them in that order
+    first = {g: sum(len(group) for group in sizes[:g]) for g in range(len(sizes))}
+    runs.sort(key=lambda r: -(first[r[0]] + min(r[1])))
+    buckets, ends = [], [0] * len(sizes)
+    for index, (g, run) in enumerate(runs):
+        layout = onebit_layout([sizes[g][i] for i in run], world_size, scale_row)
+        buckets.append(Bucket(index, g, run, ends[g], ends[g] + layout.padded, layout))
+        ends[g] += layout.padded
+    return buckets
+
+
+class CommThread:
+    """Runs jobs in the order they are submitted on one daemon thread (on a GPU under a stream of
+    its own that first waits for the submitter's stream), so that collectives started during
+    backward proceed while the caller computes. A job's exception is raised by `wait`."""
+
+    def __init__(self, device: torch.device):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._thread: threading.Thread | None = None
+        self._pending: list[Future] = []
+
+    def submit(self, job: Callable[[], None]) -> None:
+        ready = None
+        if self._stream is not None:  # the job reads what the caller's stream has computed so far
+            ready = torch.cuda.Event()
+            ready.record()
+        future: Future = Future()
+        self._pending.append(future)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zoa-train-comm", daemon=True)
+            self._thread.start()
+        self._jobs.put((job, future, ready))
+
+    def close(self) -> None:
+        """End the thread once the jobs submitted so far are done."""
+        if self._thread is not None:
+            self._jobs.put((None, None, None))
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            job, future, ready = self._jobs.get()
+            if job is None:
+                return
+            try:
+                with torch.no_grad():
+                    if self._stream is None:
+                        job()
+                    else:
+                        with torch.cuda.stream(self._stream):
+                            self._stream.wait_event(ready)
+                            job()
+                future.set_result(None)
+            except BaseException as error:  # raised in the caller, by wait()
+                future.set_exception(error)
+            job = future = ready = None  # hold nothing while idle: a job holds its collective's buffers and group
+
+    def wait(self) -> None:
+        pending, self._pending = self._pending, []
+        errors = [f.exception() for f in pending]  # waits for every job, even after a failure
+        if self._stream is not None:
+            torch.cuda.current_stream().wait_stream(self._stream)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
+
+
+def duplicate_group(group):
+    """A new process group of the same ranks as `group` (None: the world): a collective over them."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    return dist.new_group(ranks)
+
+
+class BucketedCollective:
+    """A Collective (zoa_train/comm/protocol.py) whose exchanges run bucket by bucket, and can be
+    started one bucket at a time while backward runs (module docstring).
+
+    `inner(sizes, group=, device=, ledger=, accumulator=)` builds one bucket's collective
+    (OneBitAllReduce, or the node-aware one with its node groups bound); with `overlap` it is given
+    `group` duplicated (`duplicate_group`), since its collectives run on another thread. A factory
+    for the optimizers is `functools.partial(BucketedCollective, inner=..., bucket_cap_mb=...,
+    overlap=...)`. `start_exchange`/`start_allreduce` start one bucket's round, `wait` finishes all
+    that were started; `exchange`, `op` and `allreduce` are the synchronous Collective calls,
+    bucket by bucket.
+    """
+
+    def __init__(
+        self,
+        sizes,
+        group=None,
+        device: torch.device | str | None = None,
+        ledger: CommLedger | None = None,
+        *,
+        inner,
+        bucket_cap_mb: float = BUCKET_CAP_MB,
+        overlap: bool = False,
+        scale_row: int = SCALE_ROW,
+    ):
+        if not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
+        self.group, self.ledger, self.overlap = group, ledger, overlap
+        self.world_size, self.rank = group_size_rank(group)
+        self.device = collective_device(device, group)
+        self.scale_row = scale_row
+        self.bucket_cap_mb = bucket_cap_mb
+        sizes = [list(s) for s in _buffer_sizes(sizes)]
+        sizes = [[s] if isinstance(s, int) else s for s in sizes]
+        self.buckets = plan_buckets(sizes, self.world_size, max(1, int(bucket_cap_mb * 2**20 // 4)), self.scale_row)
+        self.layouts: list[GroupLayout] = []
+        for g, group_sizes in enumerate(sizes):
+            offsets = [0] * len(group_sizes)
+            for bucket in (b for b in self.buckets if b.group == g):
+                for i, offset in zip(bucket.tensors, bucket.layout.offsets):
+                    offsets[i] = bucket.start + offset
+            padded = max((b.stop for b in self.buckets if b.group == g), default=0)
+            self.layouts.append(GroupLayout(tuple(group_sizes), tuple(offsets), padded))
+        self._accumulators = [torch.zeros(layout.padded, device=self.device) for layout in self.layouts]
+        comm_group = duplicate_group(group) if overlap and self.world_size > 1 else group
+        for bucket in self.buckets:
+            bucket.comm = inner(
+                [bucket.layout.sizes],
+                group=comm_group,
+                device=self.device,
+                ledger=ledger,
+                scale_row=scale_row,
+                accumulator=self._accumulators[bucket.group][bucket.start : bucket.stop],
+            )
+            if bucket.comm.layouts[0].padded != bucket.layout.padded:
+                raise ValueError("a bucket's collective laid it out differently from BucketedCollective")
+        self._thread = CommThread(self.device) if overlap and self.world_size > 1 else None
+        if self._thread is not None:
+            weakref.finalize(self, self._thread.close)
+
+    # ---- one bucket at a time ------------------------------------------------------------------
+
+    def start_exchange(self, index: int, out: torch.Tensor, addend: torch.Tensor | None = None) -> None:
+        """Start bucket `index`'s 1-bit exchange: its accumulator (+ its slice of `addend`, a buffer of
+        its group) averaged into its slice of `out` (a buffer of its group)."""
+        bucket = self.buckets[index]
+        part_out = out[bucket.start : bucket.stop]
+        part_addend = addend[bucket.start : bucket.stop] if addend is not None else None
+        self._run(lambda: bucket.comm.exchange(out=[part_out], addend=[part_addend] if part_addend is not None else None))
+
+    def start_allreduce(self, index: int, tensor: torch.Tensor, comm_dtype: torch.dtype | None = None) -> None:
+        """Start bucket `index`'s full-precision average of its slice of `tensor` (a buffer of its group), in place."""
+        bucket = self.buckets[index]
+        part = tensor[bucket.start : bucket.stop]
+        self._run(lambda: bucket.comm.allreduce(part, comm_dtype=comm_dtype, elements=bucket.numel, in_step=True))
+
+    def _run(self, job: Callable[[], None]) -> None:
+        if self._thread is None:
+            job()
+        else:
+            self._thread.submit(job)
+
+    def wait(self) -> None:
+        """Return when every started round is done (raising a round's error)."""
+        if self._thread is not None:
+            self._thread.wait()
+
+    # ---- the Collective protocol, bucket by bucket ---------------------------------------------
+
+    @property
+    def accumulators(self) -> list[torch.Tensor]:
+        """Per group, its buckets' accumulators back to back (see OneBitAllReduce.accumulators)."""
+        return self._accumulators
+
+    def exchange(self, out, addend=None):
+        outs = self._per_group(out)
+        addends = self._per_group(addend) if addend is not None else [None] * len(outs)
+        for bucket in self.buckets:
+            self.start_exchange(bucket.index, outs[bucket.group], addends[bucket.group])
+        self.wait()
+        return out
+
+    def op(self, tensors):
+        """Average buffers in the groups' layouts in place (padded buffers only)."""
+        buffers = self._per_group(tensors)
+        for t, layout in zip(buffers, self.layouts):
+            if t.numel() != layout.padded or not t.is_contiguous():
+                raise ValueError(f"a BucketedCollective averages contiguous buffers in its layout ({layout.padded} elements), got {t.numel()}")
+        self.exchange(out=[t.view(-1) for t in buffers], addend=[t.view(-1) for t in buffers])
+        return tensors
+
+    def allreduce(self, tensor: torch.Tensor, comm_dtype: torch.dtype | None = None, elements: int | None = None, in_step: bool = True) -> torch.Tensor:
+        """A full-precision average of any tensor over the same topology (between rounds: nothing may be in flight)."""
+        self.wait()
+        return self.buckets[0].comm.allreduce(tensor, comm_dtype=comm_dtype, elements=elements, in_step=in_step)
+
+    def _per_group(self, tensors) -> list[torch.Tensor]:
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if len(tensors) != len(self.layouts):
+            raise ValueError(f"this BucketedCollective has {len(self.layouts)} buffers, got {len(tensors)} tensors")
+        return tensors
+
+    def describe_buckets(self) -> list[dict]:
+        """The bucketing, as saved: per group, its buckets' tensors (what a resume must match)."""
+        return [{"bucket_cap_mb": self.bucket_cap_mb, "buckets": [b.tensors for b in self.buckets if b.group == g]} for g in range(len(self.layouts))]
+
+    def state_dicts(self) -> list[dict]:
+        states = []
+        for g, described in enumerate(self.describe_buckets()):
+            inner = [b.comm.state_dicts()[0] for b in self.buckets if b.group == g]
+            states.append({"topology": {"buckets": described, "world_size": self.world_size}, "buckets": inner})
+        return states
+
+    def load_state_dicts(self, states: list[dict]) -> None:
+        if len(states) != len(self.layouts):
+            raise ValueError(f"1-bit allreduce state is for {len(states)} buffers, this one has {len(self.layouts)}")
+        for g, (state, described) in enumerate(zip(states, self.describe_buckets())):
+            saved = state.get("topology")
+            if not isinstance(saved, dict) or saved.get("buckets") != described:
+                was = f"in buckets of {saved['buckets']['bucket_cap_mb']} MB" if isinstance(saved, dict) and "buckets" in saved else "unbucketed"
+                raise TopologyChanged(
+                    f"its 1-bit error buffers were saved {was} and this run exchanges in buckets of {self.bucket_cap_mb} MB; "
+                    "resume with the same comm.bucket_cap_mb, or pass --reshard to continue with the error buffers at zero"
+                )
+            for bucket, inner in zip((b for b in self.buckets if b.group == g), state["buckets"]):
+                bucket.comm.load_state_dicts([inner])
+
+    def layout_state(self) -> list[dict]:
+        return [{"world_size": self.world_size, "offsets": list(l.offsets), "padded": l.padded} for l in self.layouts]
+
+    def relayout(self, flat: torch.Tensor, index: int, saved: dict) -> torch.Tensor:
+        return relayout(flat, self.layouts[index], saved, self.scale_row)
