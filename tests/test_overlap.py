@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from distributed_harness import run_ranks
 
-from zoa_train.comm import ClusterCollective, OneBitAllReduce
+from zoa_train.comm import ClusterCollective, OneBitAllReduce, TopologyChanged
 from zoa_train.comm.buckets import BucketedCollective, plan_buckets
 from zoa_train.optim import OneBitAdam, ZeroOneAdam
 
@@ -136,3 +136,29 @@ def _second_backward(rank, world_size):
 def test_a_second_backward_without_no_sync_is_refused():
     messages = run_ranks(_second_backward, 2)
     assert all(m and "no_sync()" in m for m in messages)
+
+
+def _another_bucketing(rank, world_size):
+    """A state saved in buckets of one size, loaded with another and without buckets: refused as a change
+    of layout; resharded, it continues with the same parameters and moments."""
+    bucketed = functools.partial(BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=CAP_MB)
+    _, state = _train(rank, "zero_one_adam", bucketed, 3)
+    refusals = []
+    for collective in (functools.partial(BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=CAP_MB / 2), OneBitAllReduce):
+        torch.manual_seed(0)
+        model = Net()
+        opt = _optimizer("zero_one_adam", model, collective)
+        try:
+            opt.load_state_dict(state["optimizer"])
+        except TopologyChanged as error:
+            refusals.append(str(error))
+        opt.load_resharded(state["optimizer"])
+        moments = [b.clone() for b in opt._buffers[0].values()]
+        values = lambda t: t[t != 0].sort().values  # noqa: E731 -- the same values, moved to the new layout
+        refusals.append(all(torch.equal(values(m), values(b)) for m, b in zip(moments, state["optimizer"]["zoa"]["buffers"][0].values())))
+    return refusals
+
+
+def test_another_bucketing_is_refused_as_a_change_of_layout_and_reshards():
+    for refusals in run_ranks(_another_bucketing, 2):
+        assert ["comm.bucket_cap_mb" in refusals[0], refusals[1], "comm.bucket_cap_mb" in refusals[2], refusals[3]] == [True] * 4, refusals

@@ -490,6 +490,8 @@ def describe_topology(topology) -> str:
     ranks (nodes [[0, 1], [2, 3]])"."""
     if topology == "flat":
         return "flat 1-bit sync"
+    if "buckets" in topology:
+        return f"1-bit sync in buckets of {topology['buckets'][0]['bucket_cap_mb']:g} MB"
     members = f" (nodes {topology['members']})" if "members" in topology else ""
     return f"node-aware 1-bit sync over {topology['nodes']} nodes x {topology['ranks_per_node']} ranks{members}"
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from zoa_train.comm import Collective, CollectiveFactory, CommLedger, allreduce, group_size_rank, onebit_layout
 from zoa_train.comm.buckets import BucketedCollective
-from zoa_train.comm.onebit import OneBitLayout
+from zoa_train.comm.onebit import OneBitLayout, TopologyChanged
 from zoa_train.errors import UserError
 from zoa_train.optim.deepspeed_names import translate
 from zoa_train.step_kinds import FULL, LOCAL, ONEBIT
@@ -583,6 +583,12 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             )
         if saved["numels"] != [f.numel for f in self._flat]:
             raise ValueError(f"the {name} state is for parameter groups of sizes {saved['numels']}, not {[f.numel for f in self._flat]}")
+        layouts = self.collective.layout_state() if self.collective is not None else None
+        if saved.get("layouts") and layouts and saved["layouts"] != layouts:  # e.g. another comm.bucket_cap_mb
+            raise TopologyChanged(
+                f"the {name} state was saved in another 1-bit layout of the parameters (another comm.bucket_cap_mb); "
+                "resume with the same comm settings, or pass --reshard to continue with the error buffers at zero"
+            )
         if saved.get("sizes") != [f.size for f in self._flat]:
             raise ValueError(f"the {name} state was saved with another 1-bit layout (an older zoa-train or another scale_row)")
         buffers = [{**(s or {}), **(r or {})} for s, r in zip(saved["buffers"] or [None] * len(self._flat), mine["buffers"] or [None] * len(self._flat))]
