@@ -26,18 +26,22 @@
    average, and ZeroOneAdam through it keeps the parameters bit-identical across ranks after every sync;
    with 2 or more GPUs, the same sync over NCCL, a rank per GPU (2 GPUs: one node of 2, where it is the
    exact average; 4 or more: 2 nodes), every rank holding the same average;
-6. the integrations (zoa_train.integrations) on the device, one rank under torchrun (NCCL on CUDA): the HF
+6. rounds overlapped with backward (zoa_train/comm/buckets.py), two Gloo ranks sharing the device:
+   ZeroOneAdam in buckets with its rounds started during backward (on CUDA a background thread and a
+   stream of its own) equals the same buckets started in step(), bit for bit, after every step;
+7. the integrations (zoa_train.integrations) on the device, one rank under torchrun (NCCL on CUDA): the HF
    Trainer example (ZoaTrainer: no DDP, accelerate's placement and, on CUDA, bf16 autocast), the accelerate
    example and the Lightning example (SelfSyncingStrategy), each through 0/1 Adam's warm-up into its
    local steps: the run completes, its loss falls and stays finite, and the model it trained sits on the
    device; SKIP where transformers, accelerate or lightning is not installed;
-7. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
+8. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
 What one GPU cannot validate: NCCL between ranks and the 1-bit collectives over NCCL (two GPUs), and
 communication speed (Gloo through host memory on one machine says nothing of NCCL over NVLink or a
 network; the two ranks also share the GPU's time). Prints one line per check; exit 1 on a failure.
 """
 
 import argparse
+import functools
 import statistics
 import subprocess
 import sys
@@ -54,6 +58,7 @@ sys.path.insert(0, str(ROOT))
 
 from zoa_train.bench.comm import bert_large_groups, count_ops  # noqa: E402
 from zoa_train.comm import ClusterCollective, CommLedger, OneBitAllReduce, onebit_layout, pack_signs, unpack_signs  # noqa: E402
+from zoa_train.comm.buckets import BucketedCollective  # noqa: E402
 from zoa_train.comm.kernels import PartViews, backend, select_kernels  # noqa: E402
 from zoa_train.comm.kernels.torch_ops import block_elements  # noqa: E402
 from zoa_train.distributed import init_process_group, threads_per_rank  # noqa: E402
@@ -609,6 +614,31 @@ def check_node_aware(device: torch.device) -> None:
     report(nccl, same, f"{gpus // per_node} node(s) x {per_node} GPUs")
 
 
+def overlap_rank(rank: int, tmp: str, device_name: str) -> None:
+    """One rank of the overlap check: ZeroOneAdam with buckets of 256 elements, rounds in step() and
+    started during backward."""
+    device = torch.device(device_name)
+    torch.set_num_threads(threads_per_rank(RANKS))
+    init_process_group("gloo", timeout_s=120, init_method=f"file://{tmp}/store", rank=rank, world_size=RANKS)
+    results = {}
+    for overlap in (False, True):
+        buckets = functools.partial(BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=256 * 4 / 2**20, overlap=overlap)
+        results[overlap] = zero_one_on_rank(rank, device, buckets)
+        torch.save(results, f"{tmp}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_overlap(device: torch.device) -> None:
+    name = f"ZeroOneAdam on {device.type}, {RANKS} Gloo ranks: rounds started during backward equal the same buckets in step(), bit for bit"
+    ranks, error = spawn_ranks(overlap_rank, RANKS, str(device))
+    if not all(True in r for r in ranks):
+        report(name, False, error)
+        return
+    same = all(torch.equal(a[2], b[2]) and a[:2] == b[:2] for r in ranks for a, b in zip(r[False], r[True]))
+    report(name, same, f"{ZERO_ONE_STEPS} steps" if same else "the overlapped parameters differ")
+
+
 # --- the integrations, one rank under torchrun ------------------------------------------------
 
 INTEGRATIONS = {  # example: (packages it needs, its arguments on CUDA, on the CPU)
@@ -695,6 +725,7 @@ SECTIONS = {  # name: check(device, quick), in the order they run
     "runs": check_runs,
     "ranks": check_ranks,
     "node_aware": lambda device, quick: check_node_aware(device),
+    "overlap": lambda device, quick: check_overlap(device),
     "integrations": lambda device, quick: check_integrations(device),
     "step_cost": lambda device, quick: check_step_cost(device),  # CUDA only: on a CPU it is `bench optim`'s own figure
 }

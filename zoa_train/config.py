@@ -126,7 +126,7 @@ class CommConfig:
     # bucketing is a change of layout: a resume refuses it, --reshard restarts the error buffers.
     bucket_cap_mb: float = 0.0
     # Start each bucket's round during backward, as soon as its gradients are final (buckets of
-    # 25 MB when bucket_cap_mb is 0). Off for a run whose gradients change after backward
+    # 100 MB when bucket_cap_mb is 0). Off for a run whose gradients change after backward
     # (train.grad_clip, fp16 loss scaling, train.skip_nonfinite): its rounds start in step().
     overlap: bool = False
 

@@ -291,7 +291,7 @@ class ClusterCollective:
     1-bit optimizer is built) it finds which ranks share a node (zoa_train.comm.topology) and builds
     the flat or the node-aware allreduce as `topology` ("auto", "flat", "hierarchical") says, in
     buckets of `bucket_cap_mb` MB (0: none) whose rounds start during backward with `overlap`
-    (zoa_train/comm/buckets.py; 25 MB buckets when `bucket_cap_mb` is 0). `chosen` then describes
+    (zoa_train/comm/buckets.py; 100 MB buckets when `bucket_cap_mb` is 0). `chosen` then describes
     what it built, for the run's log."""
 
     def __init__(

@@ -314,9 +314,10 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             return
         self._fired.add(key)
         self._ready[span] += 1
-        while self._next_span < len(self._spans) and self._ready[self._next_span] >= self._needed[self._next_span]:
-            self._prepare(self._spans[self._next_span], self._plan)
-            self._next_span += 1
+        with torch.no_grad():
+            while self._next_span < len(self._spans) and self._ready[self._next_span] >= self._needed[self._next_span]:
+                self._prepare(self._spans[self._next_span], self._plan)
+                self._next_span += 1
 
     def _plan_step(self):
         """What the coming step does, as `_prepare` needs it, decided without advancing anything;

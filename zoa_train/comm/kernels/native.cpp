@@ -304,10 +304,13 @@ void unpack(torch::Tensor packed, double scale, torch::Tensor out) {
 
 }  // namespace
 
+// The passes touch tensors only, never Python objects: they let go of the GIL, so that a collective's
+// background thread (zoa_train/comm/buckets.py) compresses while backward runs Python hooks.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("compress", &compress);
-  m.def("server", &server);
-  m.def("decompress", &decompress);
-  m.def("pack", &pack);
-  m.def("unpack", &unpack);
+  const auto free = pybind11::call_guard<pybind11::gil_scoped_release>();
+  m.def("compress", &compress, free);
+  m.def("server", &server, free);
+  m.def("decompress", &decompress, free);
+  m.def("pack", &pack, free);
+  m.def("unpack", &unpack, free);
 }
