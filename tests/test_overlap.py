@@ -27,6 +27,11 @@ def test_buckets_hold_whole_tensors_of_one_group_in_reverse_order():
         assert sorted(i for b in mine for i in b.tensors) == list(range(len(group)))
         assert [b.start for b in mine] == [0] + [b.stop for b in mine[:-1]]
     assert buckets[2].layout.numel == 5000  # larger than the cap: alone
+    # on one rank (no process group) a group's buffer is its buckets back to back, averaged exactly
+    one = BucketedCollective([[300, 500], [7]], inner=OneBitAllReduce, bucket_cap_mb=2000 * 4 / 2**20)
+    assert [layout.offsets for layout in one.layouts] == [(500, 0), (0,)] and [layout.padded for layout in one.layouts] == [800, 7]
+    buffers = [torch.randn(800), torch.randn(7)]
+    assert all(torch.equal(a, b) for a, b in zip(one.op([b.clone() for b in buffers]), buffers))
 
 
 class Net(torch.nn.Module):

@@ -107,11 +107,13 @@ def test_two_emulated_nodes_of_two_ranks_sync_node_aware_and_reshard_to_flat(tmp
     # 4 ranks as 2 nodes x 2 (comm.ranks_per_node: one machine, one hostname). Exact resume under the
     # node-aware sync is tests/test_optim.py's (2 x 2, inside a local-step period); here the trainer's
     # part: the sync it reports and logs, and a checkpoint continued under another topology.
-    knobs = short(cache_dir, 4, "train.micro_batch_size=8", "optimizer.var_freeze_step=2", "comm.ranks_per_node=2")
+    # comm.overlap under the recipe's gradient clipping: bucketed, rounds in step(), and said so.
+    knobs = short(cache_dir, 4, "train.micro_batch_size=8", "optimizer.var_freeze_step=2", "comm.ranks_per_node=2", "comm.overlap=true")
     first = tmp_path / "first"
     done = zoa("run", "recipes/gpt2_tiny.yaml", "--nproc", "4", "--out", str(first), *knobs)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "hierarchical 1-bit sync, 2 nodes x 2 ranks" in done.stdout
+    assert "hierarchical 1-bit sync, 2 nodes x 2 ranks, buckets of 100 MB overlapped with backward" in done.stdout
+    assert "train.grad_clip changes the gradients after backward, so its rounds start in step()" in done.stderr
     records = metrics(first)
     assert records[-1]["intra_bytes_sent"] > 0 and 0 < records[-1]["bits_per_param"]
 
@@ -128,7 +130,8 @@ def test_two_emulated_nodes_of_two_ranks_sync_node_aware_and_reshard_to_flat(tmp
 @pytest.mark.parametrize("optimizer", ["adam", "onebit_adam"])
 def test_bert_tiny_runs_with_the_baselines(tmp_path, cache_dir, optimizer):
     # Also exercises gradient accumulation (2 micro-batches per step), bf16 autocast and, with adam,
-    # the next-sentence head on sentence pairs.
+    # the next-sentence head on sentence pairs; with 1-bit Adam, rounds started during backward in
+    # small buckets (without clipping), the first micro-batch under the optimizer's no_sync().
     run_dir = tmp_path / optimizer
     extra = (
         f"optimizer.name={optimizer}",
@@ -136,6 +139,7 @@ def test_bert_tiny_runs_with_the_baselines(tmp_path, cache_dir, optimizer):
         "train.micro_batch_size=8",
         "train.precision=bf16",
         f"model.next_sentence={str(optimizer == 'adam').lower()}",
+        *(("comm.overlap=true", "comm.bucket_cap_mb=0.25", "train.grad_clip=0") if optimizer == "onebit_adam" else ()),
     )
     done = zoa("run", "recipes/bert_tiny.yaml", "--out", str(run_dir), *short(cache_dir, 4, *extra))
     assert done.returncode == 0, done.stderr[-3000:]

@@ -49,10 +49,6 @@ class GroupLayout(NamedTuple):
     def numel(self) -> int:
         return sum(self.sizes)
 
-    @property
-    def active(self) -> bool:
-        return self.padded > self.numel or any(self.sizes)
-
 
 @dataclass
 class Bucket:
@@ -194,8 +190,7 @@ class BucketedCollective:
         self.device = collective_device(device, group)
         self.scale_row = scale_row
         self.bucket_cap_mb = bucket_cap_mb
-        sizes = [list(s) for s in _buffer_sizes(sizes)]
-        sizes = [[s] if isinstance(s, int) else s for s in sizes]
+        sizes = [[s] if isinstance(s, int) else list(s) for s in _buffer_sizes(sizes)]
         self.buckets = plan_buckets(sizes, self.world_size, max(1, int(bucket_cap_mb * 2**20 // 4)), self.scale_row)
         self.layouts: list[GroupLayout] = []
         for g, group_sizes in enumerate(sizes):
