@@ -287,7 +287,8 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Backward passes inside start no round: all micro-batches of a step but the last."""
+        """Backward passes inside start no round: all micro-batches of a step but the last. Unlike
+        DDP's, which is read at the forward, it must hold the backward."""
         accumulating, self._accumulating = self._accumulating, True
         try:
             yield

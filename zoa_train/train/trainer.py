@@ -257,9 +257,12 @@ class Trainer:
             for micro in range(self.accum):
                 batch = next(self.batches)
                 last_micro = micro == self.accum - 1
-                with contextlib.nullcontext() if last_micro else self.opt.no_sync(), autocast(t.precision, self.device):
-                    loss = self.task.loss(self.opt.module, batch) / self.accum
-                self.scaler.scale_loss(loss).backward()
+                # no_sync() around forward and backward: DDP reads it at the forward, the 1-bit
+                # optimizers at the backward (their rounds start in gradient hooks)
+                with contextlib.nullcontext() if last_micro else self.opt.no_sync():
+                    with autocast(t.precision, self.device):
+                        loss = self.task.loss(self.opt.module, batch) / self.accum
+                    self.scaler.scale_loss(loss).backward()
                 loss_sum += loss.detach()
             communicates = self.opt.next_step_communicates()
             if self.scaler.unscale_and_check(params, communicates, self.ledger):
