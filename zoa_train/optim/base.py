@@ -280,6 +280,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             log.warning("%s: %s changes the gradients after backward, so its rounds start in step() (bucketed, not overlapped)", type(self).__name__, reason)
 
     def _reset_rounds(self) -> None:
+        self._grads: dict[int, torch.Tensor] = {}  # per group, this step's averaged gradient (_start_gradient_average)
         self._plan = _UNDECIDED
         self._next_span = 0
         self._ready = [0] * len(self._spans)
@@ -341,6 +342,25 @@ class DataParallelOptimizer(torch.optim.Optimizer):
             self._prepare(span, plan)
         self._next_span = len(self._spans)
         self._wait_rounds()
+
+    def _start_gradient_average(self, span: Span) -> None:
+        """Copy `span`'s gradients into its group's gradient buffer of this step (`self._grads`, zeros
+        where a tensor has none) and start their full-precision average."""
+        flat = self._flat[span.group]
+        if span.group not in self._grads:
+            self._grads[span.group] = flat.zeros()
+        flat.flatten_into(self._grads[span.group], span)
+        self._start_allreduce(span, self._grads[span.group])
+
+    def _update_momentum(self, span: Span, m: torch.Tensor, beta1: float) -> None:
+        """m <- b1*m + (1-b1)*g over `span`'s tensors, g this rank's gradient (0 where a tensor has none)."""
+        flat = self._flat[span.group]
+        views = flat.views(m)
+        grads, with_grad, without = flat.split_by_grad([views[i] for i in span.tensors], [flat.params[i] for i in span.tensors])
+        if with_grad:
+            torch._foreach_lerp_(with_grad, grads, 1 - beta1)
+        if without:
+            torch._foreach_mul_(without, beta1)
 
     def _start_exchange(self, span: Span, out: torch.Tensor, addend: torch.Tensor | None = None) -> None:
         """Start the 1-bit exchange of `span`: its accumulator (+ addend) averaged into `out` (both

@@ -60,7 +60,6 @@ class OneBitAdam(DataParallelOptimizer):
             # Holds v during warm-up and, once frozen, its final denominator sqrt(v/bc2)+eps.
             buffers["exp_avg_sq"] = flat.keep(flat.zeros())
             scalars.update(variance_updates=0, frozen=0)
-        self._grads: dict[int, torch.Tensor] = {}  # per group, a warm-up step's averaged gradient
 
     @property
     def variance_updates(self) -> int:
@@ -75,21 +74,11 @@ class OneBitAdam(DataParallelOptimizer):
         by the 1-bit exchange in place."""
         flat, m = self._flat[span.group], self._buffers[span.group]["exp_avg"]
         if plan == "warmup":
-            if not flat.numel:
-                return
-            if span.group not in self._grads:
-                self._grads[span.group] = flat.zeros()
-            flat.flatten_into(self._grads[span.group], span)
-            self._start_allreduce(span, self._grads[span.group])
+            if flat.numel:
+                self._start_gradient_average(span)
             return
         if flat.numel:
-            beta1 = self.param_groups[span.group]["betas"][0]
-            views = flat.views(m)
-            grads, with_grad, without = flat.split_by_grad([views[i] for i in span.tensors], [flat.params[i] for i in span.tensors])
-            if with_grad:
-                torch._foreach_lerp_(with_grad, grads, 1 - beta1)
-            if without:
-                torch._foreach_mul_(without, beta1)
+            self._update_momentum(span, m, self.param_groups[span.group]["betas"][0])
         self._start_exchange(span, m, m)
 
     def _step(self) -> tuple[bool, bool, int]:
@@ -114,7 +103,6 @@ class OneBitAdam(DataParallelOptimizer):
                     v.copy_(self._denominator(v, eps, 1 - beta2 ** scalars["variance_updates"] if corrected else 1.0))
                     scalars["frozen"] = 1
                 denominators[index] = v
-        self._grads.clear()
         for index, denom in denominators.items():
             group, flat = self.param_groups[index], self._flat[index]
             beta1, lr = group["betas"][0], group["lr"]

@@ -124,7 +124,6 @@ class ZeroOneAdam(DataParallelOptimizer):
             scalars.update(lr_sum=0.0, decay=1.0, frozen=0)
         self._root_numels: dict[tuple[int, int], torch.Tensor] = {}  # per span: sqrt(numel) of each tensor, for _clipped
         self._denominators: dict[int, torch.Tensor] = {}  # per group, this step's (see _step_denominator)
-        self._grads: dict[int, torch.Tensor] = {}  # per group, a variance step's averaged gradient
 
     def synchronize(self) -> None:
         """Sync now if local steps are pending (e.g. before an evaluation), so all ranks agree; the
@@ -176,23 +175,14 @@ class ZeroOneAdam(DataParallelOptimizer):
         decision, local_steps_taken = plan
         index, flat = span.group, self._flat[span.group]
         if decision.variance_update:
-            if not flat.numel:
-                return
-            if index not in self._grads:
-                self._grads[index] = flat.zeros()
-            flat.flatten_into(self._grads[index], span)
-            self._start_allreduce(span, self._grads[index])
+            if flat.numel:
+                self._start_gradient_average(span)
             return
         if flat.numel:
             group, m = self.param_groups[index], self._buffers[index]["exp_avg"]
             beta1, t = group["betas"][0], decision.step
             step_size = group["lr"] / (1 - beta1 ** (t + 1)) if group["bias_correction"] else group["lr"]
-            m_views = flat.views(m)
-            grads, with_grad, without = flat.split_by_grad([m_views[i] for i in span.tensors], [flat.params[i] for i in span.tensors])
-            if with_grad:
-                torch._foreach_lerp_(with_grad, grads, 1 - beta1)
-            if without:
-                torch._foreach_mul_(without, beta1)
+            self._update_momentum(span, m, beta1)
             denom = self._step_denominator(index, t + 1)
             numerator = m[span.start : span.stop]  # this step's displacement is step_size * numerator / denom
             if group["update_clip"] and t < self.schedule.var_freeze_step:
@@ -250,7 +240,6 @@ class ZeroOneAdam(DataParallelOptimizer):
             if group["update_clip"] and t < self.schedule.var_freeze_step:
                 numerator = self._clipped(index, None, m, denom, group["update_clip"])
             torch._foreach_addcdiv_(params, flat.views(numerator), flat.views(denom), value=-step_size)
-        self._grads.clear()
         if decision.sync and not decision.variance_update:
             self._finish_syncs()
         self._denominators.clear()
