@@ -121,17 +121,11 @@ class FlatGroup:
     def flatten_into(self, flat: torch.Tensor, span: Span) -> None:
         """Copy the gradients of `span`'s tensors into their views of `flat` (zeros where .grad is None)."""
         views = self.views(flat)
-        pairs = []
-        for i in span.tensors:
-            grad = self.params[i].grad
-            if grad is not None and grad.is_sparse:
-                raise ValueError(SPARSE)
-            if grad is None:
-                views[i].zero_()
-            else:
-                pairs.append((views[i], grad))
-        if pairs:
-            torch._foreach_copy_(*map(list, zip(*pairs)))
+        grads, with_grad, without = self.split_by_grad([views[i] for i in span.tensors], [self.params[i] for i in span.tensors])
+        if with_grad:
+            torch._foreach_copy_(with_grad, grads)
+        if without:
+            torch._foreach_zero_(without)
 
     def split_by_grad(self, views: list[torch.Tensor], params: list[torch.Tensor] | None = None):
         """(grads, views of params that have one, views of params that have none), for `params`
