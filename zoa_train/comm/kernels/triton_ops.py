@@ -28,7 +28,9 @@ PACK_BLOCK = 8192  # elements per program of pack_signs / unpack_signs
 
 def _warps(block: int) -> int:
     """Warps per program: 4 for a row of 4,096 (on an H200, 2 to 8 ran within a few percent of each
-    other and 16 or more slower: docs/results.md, "The 1-bit call at memory speed")."""
+    other and 16 or more slower: docs/results.md, "The 1-bit call at memory speed"). Fixed, not
+    tuned per run: the row's sum of squares is a tree over the warps, so their number moves a scale
+    in its last bit, and every rank must round alike."""
     return max(1, min(4, block // 1024))
 
 
@@ -84,21 +86,22 @@ if triton is not None:
         norm_ptr,
         signs_ptr,
         scales_ptr,
-        sources,
         factor,
         row,
         sign_stride,
         scale_stride,
+        SOURCES: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
-        # c = e_s + sum_i (2*s_i/n)*flag_i - sum_i s_i/n (sign = 2*flag - 1), sources in order.
+        # c = e_s + sum_i (2*s_i/n)*flag_i - sum_i s_i/n (sign = 2*flag - 1), sources in order. The
+        # loop over sources is unrolled (SOURCES a constant) so all their loads are in flight at once.
         r = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < row
         base = r.to(tl.int64) * row
         c = tl.load(values_ptr + base + cols, mask=inside, other=0.0)
         coef_sum = tl.zeros((), tl.float32)
-        for i in range(sources):
+        for i in tl.static_range(SOURCES):
             coef = tl.load(recv_scales_ptr + i * scale_stride + r) * factor
             coef_sum += coef
             c += _flags(recv_signs_ptr + i * sign_stride + r * (row // 8), row, BLOCK).to(tl.float32) * coef
@@ -182,8 +185,8 @@ class Kernels(FusedKernels):
         sources = p.recv_signs.shape[0]
         with profiled("zoa::onebit_server"):
             _server_kernel[(rows,)](
-                p.recv_signs, p.recv_scales, p.server, valid, norm, p.mine_signs, p.mine_scales, sources, 2.0 / sources,
-                row, p.recv_signs.stride(0), p.recv_scales.stride(0), BLOCK=block, num_warps=_warps(block),
+                p.recv_signs, p.recv_scales, p.server, valid, norm, p.mine_signs, p.mine_scales, 2.0 / sources,
+                row, p.recv_signs.stride(0), p.recv_scales.stride(0), SOURCES=sources, BLOCK=block, num_warps=_warps(block),
             )  # fmt: skip
 
     def output(self, part: int, out: torch.Tensor) -> None:
