@@ -19,6 +19,7 @@ from zoa_train.comm import ClusterCollective, CommLedger, pack_signs, unpack_sig
 from zoa_train.comm.kernels import PartViews, backend, select_kernels
 from zoa_train.comm.packing import pack_flags
 from zoa_train.errors import UserError
+from zoa_train.optim.zero_one_adam import finish_sync
 
 # Triton's interpreter computes in numpy, which warns where a row holds an inf or NaN (on purpose).
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -196,6 +197,35 @@ def pack_signs_torch(x: torch.Tensor) -> torch.Tensor:
     flags = torch.ge(torch.cat([x, torch.zeros(-x.numel() % 8)]), 0).float()
     packed = torch.empty(flags.numel() // 8, dtype=torch.uint8)
     return pack_flags(flags, torch.empty(flags.numel(), dtype=torch.int8), packed)
+
+
+@pytest.mark.parametrize("decay,lr_sum", [(1.0, 0.0), (0.9993, 0.0123)])
+def test_native_end_of_a_sync_equals_zero_one_adams_torch_ops(decay, lr_sum):
+    # 0/1 Adam's flat layout: five tensors out of order, padding between them (m and anchor 0 there,
+    # the denominator inf as for a zero variance), w_bar of every magnitude with a NaN and an inf,
+    # denominators that overflow w_bar*d and infinite ones inside tensors.
+    g = torch.Generator().manual_seed(1)
+    sizes, offsets, size = [7, 300, 4096, 1, 33], [4500, 4100, 0, 4432, 4440], 4520
+    m = torch.zeros(size)
+    anchor = torch.zeros(size)
+    denom = torch.full((size,), float("inf"))
+    for o, k in zip(offsets, sizes):
+        m[o : o + k] = torch.randn(k, generator=g) * torch.logspace(-8, 8, k)
+        anchor[o : o + k] = torch.randn(k, generator=g)
+        denom[o : o + k] = torch.rand(k, generator=g) * 1e-2 + 1e-8
+    m[4103], m[17] = float("nan"), float("-inf")
+    denom[5], denom[4200] = float("inf"), 3e38
+    params = [torch.zeros(k) for k in sizes]
+    expected = [t.clone() for t in (m, anchor)], [p.clone() for p in params]
+    finish_sync(*expected[0], denom, decay, lr_sum, expected[1], [expected[0][1][o : o + k] for o, k in zip(offsets, sizes)])
+    order = sorted(range(5), key=offsets.__getitem__)
+    native = importlib.import_module("zoa_train.comm.kernels.native")
+    native.finish_sync(m, anchor, denom, decay, lr_sum, [params[i] for i in order], [offsets[i] for i in order])
+    assert torch.equal(m, expected[0][0]) and torch.equal(anchor, expected[0][1])
+    assert all(torch.equal(p, q) for p, q in zip(params, expected[1]))
+    assert m.isfinite().all() and m[5] == 0 and (m[4096:4100] == 0).all() and (m[4400:4432] == 0).all()
+    with pytest.raises(RuntimeError, match="ascending"):
+        native.finish_sync(m, anchor, denom, decay, lr_sum, params, offsets)
 
 
 def test_auto_takes_the_native_kernels_on_this_cpu_and_the_public_codec_uses_them():

@@ -8,6 +8,7 @@ from reference import ExactAllReduce, zero_one_adam_reference
 
 from zoa_train.comm import ClusterCollective, OneBitAllReduce
 from zoa_train.optim import DataParallelAdam, LRSchedule, OneBitAdam, ZeroOneAdam, ZeroOneSchedule
+from zoa_train.optim import zero_one_adam as zero_one_adam_module
 
 DIM = 40
 
@@ -95,8 +96,10 @@ def _collective(ranks_per_node: int):
     return ClusterCollective("hierarchical", ranks_per_node) if ranks_per_node else OneBitAllReduce
 
 
-def _sync_invariants(rank, world_size, weight_decay, update_clip=None, ranks_per_node=0):
+def _sync_invariants(rank, world_size, weight_decay, update_clip=None, ranks_per_node=0, fused_finish=True):
     torch.manual_seed(0)  # the same init everywhere; the optimizer broadcasts rank 0's anyway
+    if not fused_finish:  # the end of each sync in torch ops rather than the native one-pass kernel
+        zero_one_adam_module.fused_sync_finish = lambda device: None
     emb = torch.nn.Embedding(20, 6)
     head = torch.nn.Linear(6, 3)
     frozen_rows = emb.weight.detach()[10:].clone()
@@ -145,6 +148,18 @@ def test_real_compression_keeps_ranks_bit_identical_and_zero_gradient_rows_still
     for _, rows, initial_rows, bits in ranks:
         assert torch.equal(rows, initial_rows)  # never-used embedding rows did not move
         assert 0 < bits < 8
+
+
+def test_the_fused_end_of_a_sync_trains_to_the_same_bits_as_the_torch_ops():
+    # 1-bit syncs after local-step periods, weight decay (a decay factor at each sync), rows whose
+    # variance stays zero (an infinite denominator), a tensor without gradient on some steps.
+    assert zero_one_adam_module.fused_sync_finish("cpu") is not None  # the native kernel is built here
+    fused, plain = (run_ranks(_sync_invariants, 2, 0.1, None, 0, fused_finish) for fused_finish in (True, False))
+    for rank in range(2):
+        assert len(fused[rank][0]) >= 12
+        for (t0, x0_, m0), (t1, x1, m1) in zip(fused[rank][0], plain[rank][0], strict=True):
+            assert t0 == t1 and torch.equal(x0_, x1) and torch.equal(m0, m1), f"rank {rank} differs at step {t0}"
+        assert torch.equal(fused[rank][1], plain[rank][1])
 
 
 def test_weight_decay_only_shrinks_zero_gradient_rows():

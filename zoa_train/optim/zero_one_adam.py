@@ -43,9 +43,28 @@ import copy
 import torch
 
 from zoa_train.comm import CollectiveFactory, OneBitAllReduce
+from zoa_train.comm.kernels import fused_sync_finish
 from zoa_train.optim.base import DataParallelOptimizer
 from zoa_train.optim.schedules import ZeroOneSchedule
 from zoa_train.step_kinds import VARIANCE
+
+
+def finish_sync(m, anchor, denom, decay: float, lr_sum: float, params, anchor_views) -> None:
+    """The end of a sync in torch ops, m holding w_bar: m <- w_bar*denom (0 where not finite), the
+    anchor and the parameters (`anchor_views`: the anchor's slices shaped as `params`) <- decay*anchor
+    - w_bar, m <- m / lr_sum. Where a fused kernel runs (zoa_train.comm.kernels.fused_sync_finish:
+    native on CPUs) it does the same in one pass over memory, to the same bits."""
+    # Where v == 0 (denom = inf) w_bar is compression noise only: w_bar*denom is +-inf or nan
+    # there, and zeroing non-finite values keeps those coordinates still without building a mask.
+    m.mul_(denom).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    # The new point, decay*anchor - w_bar (w_bar*denom/denom: 0 where denom = inf), is computed in
+    # the anchor and then copied once into the parameters.
+    if decay != 1.0:
+        anchor.mul_(decay)
+    anchor.addcdiv_(m, denom, value=-1.0)
+    torch._foreach_copy_(list(params), list(anchor_views))
+    if lr_sum > 0:
+        m.div_(lr_sum)
 
 
 class ZeroOneAdam(DataParallelOptimizer):
@@ -124,6 +143,7 @@ class ZeroOneAdam(DataParallelOptimizer):
             scalars.update(lr_sum=0.0, decay=1.0, frozen=0)
         self._root_numels: dict[tuple[int, int], torch.Tensor] = {}  # per span: sqrt(numel) of each tensor, for _clipped
         self._denominators: dict[int, torch.Tensor] = {}  # per group, this step's (see _step_denominator)
+        self._fused_finishers: dict[int, object] = {}  # per group (see _fused_finish)
 
     def synchronize(self) -> None:
         """Sync now if local steps are pending (e.g. before an evaluation), so all ranks agree; the
@@ -277,18 +297,29 @@ class ZeroOneAdam(DataParallelOptimizer):
         flat, buffers, scalars = self._flat[index], self._buffers[index], self._scalars[index]
         m, anchor = buffers["exp_avg"], buffers["anchor"]  # m holds w_bar
         denom = self._step_denominator(index, self.schedule.step)
-        # Where v == 0 (denom = inf) w_bar is compression noise only: w_bar*denom is +-inf or nan
-        # there, and zeroing non-finite values keeps those coordinates still without building a mask.
-        m.mul_(denom).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        # The new point, decay*anchor - w_bar (w_bar*denom/denom: 0 where denom = inf), is computed
-        # in the anchor and then copied once into the parameters.
-        if scalars["decay"] != 1.0:
-            anchor.mul_(scalars["decay"])
-        anchor.addcdiv_(m, denom, value=-1.0)
-        torch._foreach_copy_(flat.params, flat.views(anchor))
-        if scalars["lr_sum"] > 0:
-            m.div_(scalars["lr_sum"])
+        fused = self._fused_finish(index)
+        if fused is not None:
+            fused(m, anchor, denom, scalars["decay"], scalars["lr_sum"])
+        else:
+            finish_sync(m, anchor, denom, scalars["decay"], scalars["lr_sum"], flat.params, flat.views(anchor))
         scalars.update(lr_sum=0.0, decay=1.0)
+
+    def _fused_finish(self, index: int):
+        """_finish_sync's one-pass kernel for group `index` (zoa_train.comm.kernels.fused_sync_finish:
+        native on CPUs) bound to its parameters in layout order, or None where there is none or a
+        parameter is not a contiguous fp32 tensor; decided once per group."""
+        if index not in self._fused_finishers:
+            flat = self._flat[index]
+            kernel, finish = fused_sync_finish(flat.device), None
+            if kernel is not None and all(p.dtype == torch.float32 and p.is_contiguous() for p in flat.params):
+                order = sorted(range(len(flat.params)), key=flat.offsets.__getitem__)
+                params, offsets = [flat.params[i] for i in order], [flat.offsets[i] for i in order]
+
+                def finish(m, anchor, denom, decay, lr_sum):
+                    kernel(m, anchor, denom, decay, lr_sum, params, offsets)
+
+            self._fused_finishers[index] = finish
+        return self._fused_finishers[index]
 
     def _step_denominator(self, index: int, steps_after: int) -> torch.Tensor:
         """sqrt(v / bc2) + eps for the step that leaves the schedule at `steps_after` steps (v as it

@@ -119,6 +119,12 @@ def fused_codec(device: torch.device | str):
     return None if chosen is backend("torch") else importlib.import_module(chosen.__module__)
 
 
+def fused_sync_finish(device: torch.device | str):
+    """0/1 Adam's end of a sync as one fused pass where the fused backend on `device` has one (the
+    native module's `finish_sync` on CPUs; zoa_train/optim/zero_one_adam.py), else None: torch ops."""
+    return getattr(fused_codec(device), "finish_sync", None)
+
+
 def select_kernels(choice: str, device: torch.device | str):
     """The backend class for `choice` ("auto" or a name in KERNELS) on `device`. "auto" takes the
     first that can run there (triton on CUDA, native on CPU, torch anywhere) and logs once why a

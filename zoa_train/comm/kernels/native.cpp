@@ -9,7 +9,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
+#include <vector>
 #include <cstdint>
 #include <cstring>
 
@@ -302,6 +305,47 @@ void unpack(torch::Tensor packed, double scale, torch::Tensor out) {
   for (int64_t j = n - n % 8; j < n; ++j) o[j] = ((b[j / 8] >> (j % 8)) & 1) ? s : -s;
 }
 
+// 0/1 Adam's end of a sync (zoa_train/optim/zero_one_adam.py, _finish_sync) in one pass over m (w_bar on
+// entry), the anchor and the denominator d, in the torch ops' arithmetic and order:
+//   md = nan_to_num(w_bar * d, 0, 0, 0);  anchor = anchor * decay + (-1 * md) / d;  m = md / lr_sum
+// and the parameters (fp32, contiguous, at ascending `offsets` in the flat layout) copied from the
+// new anchor while its block is still in cache.
+void finish_sync(torch::Tensor m, torch::Tensor anchor, torch::Tensor denom, double decay, double lr_sum, std::vector<torch::Tensor> params,
+                 std::vector<int64_t> offsets) {
+  const int64_t n = m.numel();
+  for (const auto* t : {&m, &anchor, &denom})
+    TORCH_CHECK(t->is_contiguous() && t->scalar_type() == torch::kFloat32 && t->numel() == n, "m, anchor, denom: contiguous float32 of one size");
+  TORCH_CHECK(params.size() == offsets.size(), "one offset per parameter");
+  std::vector<float*> targets;
+  std::vector<int64_t> sizes;
+  for (size_t k = 0; k < params.size(); ++k) {
+    TORCH_CHECK(params[k].is_contiguous() && params[k].scalar_type() == torch::kFloat32, "parameters: contiguous float32");
+    TORCH_CHECK(offsets[k] >= (k ? offsets[k - 1] + sizes[k - 1] : 0) && offsets[k] + params[k].numel() <= n, "offsets: ascending, inside the flat buffer");
+    targets.push_back(params[k].data_ptr<float>());
+    sizes.push_back(params[k].numel());
+  }
+  float* mp = m.data_ptr<float>();
+  float* ap = anchor.data_ptr<float>();
+  const float* dp = denom.data_ptr<float>();
+  const bool scale = decay != 1.0, divide = lr_sum > 0;
+  const float f_decay = static_cast<float>(decay), f_lr = static_cast<float>(lr_sum);
+  at::parallel_for(0, n, 1 << 14, [&](int64_t first, int64_t last) {
+    for (int64_t j = first; j < last; ++j) {
+      float md = mp[j] * dp[j];
+      md = std::fabs(md) <= std::numeric_limits<float>::max() ? md : 0.0f;
+      const float a = scale ? ap[j] * f_decay : ap[j];
+      ap[j] = a + (-1.0f * md) / dp[j];
+      mp[j] = divide ? md / f_lr : md;
+    }
+    // the parameters that meet [first, last): the first is the last to start at or before `first`
+    int64_t k = std::upper_bound(offsets.begin(), offsets.end(), first) - offsets.begin();
+    for (k = std::max<int64_t>(k - 1, 0); k < static_cast<int64_t>(offsets.size()) && offsets[k] < last; ++k) {
+      const int64_t lo = std::max(first, offsets[k]), hi = std::min(last, offsets[k] + sizes[k]);
+      if (lo < hi) std::memcpy(targets[k] + (lo - offsets[k]), ap + lo, sizeof(float) * (hi - lo));
+    }
+  });
+}
+
 }  // namespace
 
 // The passes touch tensors only, never Python objects: they let go of the GIL, so that a collective's
@@ -313,4 +357,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decompress", &decompress, free);
   m.def("pack", &pack, free);
   m.def("unpack", &unpack, free);
+  m.def("finish_sync", &finish_sync, free);
 }

@@ -1,4 +1,5 @@
-"""The 1-bit call's passes as fused C++ loops on CPUs (native.cpp beside this file).
+"""The 1-bit call's passes as fused C++ loops on CPUs (native.cpp beside this file), and 0/1 Adam's
+end of a sync, which follows them.
 
 Built at first use with torch.utils.cpp_extension (g++ and torch's headers; about 30 s once, then
 cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions, and shared by every rank
@@ -101,6 +102,15 @@ def pack(x: torch.Tensor, out: torch.Tensor) -> None:
 def unpack(packed: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """out (contiguous fp32) <- +scale / -scale by the bits of `packed`, as packing.unpack_signs."""
     build().unpack(packed, scale, out)
+
+
+def finish_sync(
+    m: torch.Tensor, anchor: torch.Tensor, denom: torch.Tensor, decay: float, lr_sum: float, params: Sequence[torch.Tensor], offsets: Sequence[int]
+) -> None:
+    """0/1 Adam's end of a sync in one pass (native.cpp, finish_sync): m holds w_bar on entry and the
+    rebuilt momentum after; the anchor and `params` (fp32 contiguous, at ascending `offsets`) the new
+    point. Bit-identical to ZeroOneAdam's torch ops."""
+    build().finish_sync(m, anchor, denom, decay, lr_sum, list(params), list(offsets))
 
 
 if __name__ == "__main__":
