@@ -190,8 +190,8 @@ def test_overwrite_replaces_and_a_failed_export_changes_nothing(gpt2_run, tmp_pa
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     real = checkpoints.load_language_model
 
-    def failing_tokenizer(path, expect=None):
-        loaded = real(path, expect)
+    def failing_tokenizer(path, evaluation=None):
+        loaded = real(path, evaluation)
 
         def full(*args, **kwargs):
             raise OSError(28, "No space left on device")
