@@ -247,7 +247,7 @@ def llama_shape_rules(shape: dict) -> None:
     heads_divide_width(shape)
     kv = shape["n_kv_head"] or shape["n_head"]
     if shape["n_head"] % kv:
-        raise UserError(f"model.n_head {shape['n_head']} must be divisible by model.n_kv_head {kv} (each key/value head serves a whole group of heads).")
+        raise UserError(f"model.n_head {shape['n_head']} must be divisible by model.n_kv_head {kv}.")
     if (shape["n_embd"] // shape["n_head"]) % 2:
         raise UserError(f"model.n_embd / model.n_head must be even for rotary positions, not {shape['n_embd']} / {shape['n_head']}.")
 
