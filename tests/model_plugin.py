@@ -30,14 +30,14 @@ def build(cfg, shape: dict, inputs: registry.ModelInputs):
         intermediate_size=3 * shape["n_embd"],
         max_position_embeddings=max(1024, inputs.seq_len),
         sliding_window=cfg.sliding_window,
-        attention_dropout=cfg.dropout,
+        attention_dropout=cfg.dropout or 0.0,
         bos_token_id=inputs.eos_token_id,
         eos_token_id=inputs.eos_token_id,
     )
     return transformers.MistralForCausalLM(config)
 
 
-def check_shape(shape: dict) -> None:
+def check_shape(cfg, shape: dict) -> None:
     if shape["n_embd"] % shape["n_head"] or shape["n_head"] % 2:
         raise UserError(f"model.n_head must be even and divide model.n_embd, not {shape['n_head']} of {shape['n_embd']}.")
 
@@ -49,7 +49,7 @@ SPEC = registry.register(
         task="causal_lm",
         build=build,
         presets={"tiny": {"n_layer": 2, "n_embd": 64, "n_head": 4}},
-        check_shape=check_shape,
+        check=check_shape,
         knobs=MistralKnobs,
         checks={"sliding_window": checks.positive},
         tokenizer="gpt2",

@@ -135,6 +135,21 @@ def test_another_familys_knob_is_refused_and_the_families_of_today_keep_their_sh
     assert models.get("bert").shape(bert) == {"n_layer": 3, "n_embd": 1024, "n_head": 16}
 
 
+def test_hf_causal_lm_needs_a_config_and_takes_its_sizes_from_it(tmp_path):
+    with pytest.raises(UserError, match=r"^r.yaml: model.kind hf_causal_lm needs model.hf_config .* or model.init_from.$"):
+        recipe_from_dict({"model": {"kind": "hf_causal_lm"}}, "r.yaml")
+    with pytest.raises(UserError, match=r"^r.yaml: model.n_layer has no meaning for hf_causal_lm, whose sizes are its config's; leave it unset.$"):
+        recipe_from_dict({"model": {"kind": "hf_causal_lm", "hf_config": str(tmp_path), "n_layer": 2}}, "r.yaml")
+    recipe = recipe_from_dict({"model": {"kind": "hf_causal_lm", "hf_config": str(tmp_path / "none")}})
+    with pytest.raises(UserError, match="is not a loadable Hugging Face config"):
+        create(recipe.model, ModelInputs(100, 64))
+    transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    model = create(recipe_from_dict({"model": {"kind": "hf_causal_lm", "hf_config": str(tmp_path)}}).model, ModelInputs(100, 64, eos_token_id=7))
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.vocab_size == 100 and model.config.eos_token_id == 7
+    assert models.of_hf_model_type("qwen2").kind == "hf_causal_lm" and models.of_hf_model_type("llama").kind == "llama"
+    assert models.of_hf_model_type("t5") is None  # no causal LM in transformers
+
+
 def spec(kind: str, knobs: type = models.NoKnobs, **fields) -> models.ModelSpec:
     return models.ModelSpec(kind, kind, "causal_lm", build=lambda cfg, shape, inputs: None, knobs=knobs, **fields)
 
@@ -253,6 +268,27 @@ def test_a_plugin_family_trains_plans_exports_and_evaluates(tmp_path, text_files
 
     result = wikitext(run, text_files["text"], tmp_path / "wikitext.json")  # the run's recipe imports the plugin
     assert result["step"] == 2 and 1 < result["token_perplexity"] < 4096 * 2
+    exported = wikitext(out, text_files["text"], tmp_path / "exported.json")  # no plugin: hf_causal_lm loads any causal LM
+    assert exported["token_perplexity"] == pytest.approx(result["token_perplexity"], rel=1e-5)
 
     one_sentence(zoa("plan", "recipes/gpt2_tiny.yaml", *PLUGIN, "--set", "model.sliding_window=0"), "model.sliding_window must be positive, not 0")
     one_sentence(zoa("plan", "recipes/gpt2_tiny.yaml", *sets("model.kind=mistral")), "model.kind must be one of", "not 'mistral'")
+
+
+def test_a_causal_lm_from_a_hugging_face_config_trains_exports_and_evaluates(tmp_path, text_files):
+    import yaml
+
+    config = tmp_path / "qwen2"
+    transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2).save_pretrained(config)
+    recipe = yaml.safe_load((ROOT / "recipes" / "gpt2_tiny.yaml").read_text())
+    recipe["model"] = {"kind": "hf_causal_lm", "hf_config": str(config), "dropout": 0.0}
+    (tmp_path / "qwen2.yaml").write_text(yaml.safe_dump(recipe))
+    run, out = tmp_path / "run", tmp_path / "hf"
+    done = zoa("run", str(tmp_path / "qwen2.yaml"), "--out", str(run), *short(tmp_path / "cache", 2))
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = zoa("export", str(run), str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.vocab_size == 4096 and model.config.num_key_value_heads == 2
+    assert json.loads((out / "zoa_export.json").read_text())["model_kind"] == "hf_causal_lm"
+    assert wikitext(out, text_files["text"], tmp_path / "wikitext.json")["token_perplexity"] > 1

@@ -29,6 +29,11 @@ class ModelInputs:
         return cls(len(tokenizer), seq_len, tokenizer.eos_token_id, tokenizer.pad_token_id)
 
 
+def _dropout(cfg, *names: str) -> dict:
+    """model.dropout as the config's keyword arguments `names`; none when it is unset (the config's default)."""
+    return {name: cfg.dropout for name in names} if cfg.dropout is not None else {}
+
+
 def _from_pretrained(cfg, auto_class):
     try:
         return auto_class.from_pretrained(cfg.init_from)
@@ -48,11 +53,9 @@ def build_gpt2(cfg, shape: dict, inputs: ModelInputs) -> torch.nn.Module:
         n_layer=shape["n_layer"],
         n_embd=shape["n_embd"],
         n_head=shape["n_head"],
-        resid_pdrop=cfg.dropout,
-        embd_pdrop=cfg.dropout,
-        attn_pdrop=cfg.dropout,
         bos_token_id=inputs.eos_token_id,
         eos_token_id=inputs.eos_token_id,
+        **_dropout(cfg, "resid_pdrop", "embd_pdrop", "attn_pdrop"),
     )
     return _causal_lm_loss(transformers.GPT2LMHeadModel(config))
 
@@ -78,16 +81,15 @@ def build_bert(cfg, shape: dict, inputs: ModelInputs) -> torch.nn.Module:
         num_attention_heads=shape["n_head"],
         intermediate_size=4 * shape["n_embd"],
         max_position_embeddings=max(512, inputs.seq_len),
-        hidden_dropout_prob=cfg.dropout,
-        attention_probs_dropout_prob=cfg.dropout,
         pad_token_id=inputs.pad_token_id or 0,
+        **_dropout(cfg, "hidden_dropout_prob", "attention_probs_dropout_prob"),
     )
     return transformers.BertForPreTraining(config) if cfg.next_sentence else transformers.BertForMaskedLM(config)
 
 
 def build_llama(cfg, shape: dict, inputs: ModelInputs) -> torch.nn.Module:
     """LlamaForCausalLM of `shape`: RMSNorm, rotary positions, SwiGLU, n_kv_head key/value heads. Values the
-    shape leaves unset (a custom size) take LlamaConfig's defaults; dropout is Llama's only one, on attention."""
+    shape leaves unset (a custom size) take LlamaConfig's defaults; Llama's only dropout is on attention."""
     import transformers
 
     if cfg.init_from:
@@ -105,13 +107,40 @@ def build_llama(cfg, shape: dict, inputs: ModelInputs) -> torch.nn.Module:
     config = transformers.LlamaConfig(
         vocab_size=inputs.vocab_size,
         max_position_embeddings=context,
-        attention_dropout=cfg.dropout,
         bos_token_id=inputs.eos_token_id,  # a trained byte-level tokenizer has one special token, as GPT-2's
         eos_token_id=inputs.eos_token_id,
         pad_token_id=inputs.pad_token_id,
         **{key: value for key, value in named.items() if value is not None},
+        **_dropout(cfg, "attention_dropout"),
     )
     return transformers.LlamaForCausalLM(config)
+
+
+def build_hf_causal_lm(cfg, shape: dict, inputs: ModelInputs) -> torch.nn.Module:
+    """AutoModelForCausalLM of the config `hf_config` names, fresh, with the tokenizer's vocabulary and
+    special tokens and at least seq_len positions; or the pretrained model of `init_from`."""
+    import transformers
+
+    if cfg.init_from:
+        return _from_pretrained(cfg, transformers.AutoModelForCausalLM)
+    try:
+        config = transformers.AutoConfig.from_pretrained(cfg.hf_config)
+    except (OSError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UserError(f"model.hf_config {cfg.hf_config!r} is not a loadable Hugging Face config (a directory with config.json): {first}") from None
+    config.vocab_size = inputs.vocab_size
+    config.bos_token_id = config.eos_token_id = inputs.eos_token_id
+    config.pad_token_id = inputs.pad_token_id
+    if getattr(config, "max_position_embeddings", inputs.seq_len) < inputs.seq_len:
+        config.max_position_embeddings = inputs.seq_len
+    for key, value in _dropout(cfg, "attention_dropout").items():
+        setattr(config, key, value)
+    try:
+        return transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError as e:
+        raise UserError(
+            f"model.hf_config {cfg.hf_config!r} is a {config.model_type} config, which has no causal LM in transformers: {e}".splitlines()[0]
+        ) from None
 
 
 def build_resnet(cfg, shape: dict, inputs: ModelInputs) -> torch.nn.Module:

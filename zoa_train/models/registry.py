@@ -32,12 +32,12 @@ class SharedKnobs:
     n_layer: int | None = None  # overrides of the preset
     n_embd: int | None = None
     n_head: int | None = None
-    dropout: float = 0.1
+    dropout: float | None = None  # null: the family's own default (GPT-2, BERT: 0.1; Llama: 0.0; hf_causal_lm: its config's)
     init_from: str | None = None  # a local Hugging Face model directory or a hub name when online; ResNet: a state-dict file
 
 
 SHARED_CHECKS: dict[str, Check] = {
-    "dropout": checks.FRACTION,
+    "dropout": checks.unset_or(checks.FRACTION),
     "n_layer": checks.unset_or(checks.positive),
     "n_embd": checks.unset_or(checks.positive),
     "n_head": checks.unset_or(checks.positive),
@@ -60,11 +60,15 @@ class ModelSpec:
     # model.size -> values of shape knobs (the first: the default size); overrides apply on top
     presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     custom_needs: tuple[str, ...] = ("n_layer", "n_embd", "n_head")  # what model.size custom must set
-    check_shape: Callable[[dict], None] | None = None  # rules across a resolved shape's values; UserError of one sentence
+    # rules on the model section and its shape (`shape`; empty without presets or with init_from), across
+    # values; UserError of one sentence
+    check: Callable[[Any, dict], None] | None = None
     knobs: type = NoKnobs  # a dataclass of its own keys in the model section, with defaults
     checks: Mapping[str, Check] = field(default_factory=dict)  # knob -> constraint
     tokenizer: str | None = None  # the tokenizer family trained when data.tokenizer is unset (zoa_train/data/tokenizer.py)
-    hf_model_types: tuple[str, ...] = ()  # config.model_type of the Hugging Face directories that hold this family
+    # config.model_type of the Hugging Face directories that hold this family; ANY_CAUSAL_LM: any other
+    # that transformers' AutoModelForCausalLM loads
+    hf_model_types: tuple[str, ...] = ()
     evaluations: tuple[str, ...] = ()  # the `zoa-train eval` commands that accept it
 
     def shape(self, cfg) -> dict:
@@ -81,10 +85,11 @@ class ModelSpec:
         else:
             raise UserError(f"model.size {size!r} is not a {self.kind} preset; choose one of {', '.join(self.presets)} or custom.")
         keys = [*self.presets[next(iter(self.presets))], *self.custom_needs]
-        shape = {key: getattr(cfg, key) if getattr(cfg, key) is not None else base.get(key) for key in dict.fromkeys(keys)}
-        if self.check_shape is not None:
-            self.check_shape(shape)
-        return shape
+        return {key: getattr(cfg, key) if getattr(cfg, key) is not None else base.get(key) for key in dict.fromkeys(keys)}
+
+    def shape_of(self, cfg) -> dict:
+        """`shape(cfg)`, or {} for a family without presets or a model from init_from (its own shape)."""
+        return self.shape(cfg) if self.presets and not cfg.init_from else {}
 
 
 def _and(items: list[str]) -> str:
@@ -133,9 +138,17 @@ def find(kind: str) -> ModelSpec | None:
     return _SPECS.get(kind)
 
 
+ANY_CAUSAL_LM = "*"
+
+
 def of_hf_model_type(model_type: str) -> ModelSpec | None:
-    """The family whose Hugging Face directories have config.model_type `model_type`, or None."""
-    return next((spec for spec in _SPECS.values() if model_type in spec.hf_model_types), None)
+    """The family whose Hugging Face directories have config.model_type `model_type` (one that names
+    it, else one that takes ANY_CAUSAL_LM of a model type transformers has a causal LM for), or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    named = [spec for spec in _SPECS.values() if model_type in spec.hf_model_types]
+    catch_all = [spec for spec in _SPECS.values() if ANY_CAUSAL_LM in spec.hf_model_types and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    return next(iter(named + catch_all), None)
 
 
 def accepting(evaluation: str) -> list[ModelSpec]:
@@ -146,7 +159,7 @@ def accepting(evaluation: str) -> list[ModelSpec]:
 def create(section, inputs: ModelInputs) -> torch.nn.Module:
     """The model a recipe's model section names (timm's create_model, by recipe), for what the data says."""
     spec = get(section.kind)
-    return spec.build(section, spec.shape(section) if spec.presets and not section.init_from else {}, inputs)
+    return spec.build(section, spec.shape_of(section), inputs)
 
 
 def knob_fields() -> list[dataclasses.Field]:
@@ -168,18 +181,19 @@ def check_section(section, origin: str) -> None:
         if f.name not in own and getattr(section, f.name) != f.default:
             owners = _and([s.title for s in _SPECS.values() if f.name in {g.name for g in dataclasses.fields(s.knobs)}])
             raise UserError(f"{origin}: model.{f.name} is a {owners} setting; {section.kind} has none, so leave it unset.")
-    if spec.presets and not section.init_from:
-        try:
-            spec.shape(section)
-        except UserError as e:
-            raise UserError(f"{origin}: {e}") from None
+    try:
+        shape = spec.shape_of(section)
+        if spec.check is not None:
+            spec.check(section, shape)
+    except UserError as e:
+        raise UserError(f"{origin}: {e}") from None
 
 
 # ---- the built-in families ------------------------------------------------------------------------
 
 
-def heads_divide_width(shape: dict) -> None:
-    if shape["n_embd"] % shape["n_head"]:
+def heads_divide_width(cfg, shape: dict) -> None:
+    if shape and shape["n_embd"] % shape["n_head"]:
         raise UserError(f"model.n_embd {shape['n_embd']} must be divisible by model.n_head {shape['n_head']}.")
 
 
@@ -201,7 +215,7 @@ register(
         "causal_lm",
         builders.build_gpt2,
         GPT2_PRESETS,
-        check_shape=heads_divide_width,
+        check=heads_divide_width,
         tokenizer="gpt2",
         hf_model_types=("gpt2",),
         evaluations=LANGUAGE_EVALUATIONS,
@@ -222,7 +236,7 @@ register(
         "masked_lm",
         builders.build_bert,
         {"base": {"n_layer": 12, "n_embd": 768, "n_head": 12}, "large": {"n_layer": 24, "n_embd": 1024, "n_head": 16}},
-        check_shape=heads_divide_width,
+        check=heads_divide_width,
         knobs=BertKnobs,
         tokenizer="bert",
         hf_model_types=("bert",),
@@ -243,8 +257,10 @@ class LlamaKnobs:
     context: int | None = None  # the longest input (max_position_embeddings), at least data.seq_len; default the preset's (custom: 2,048)
 
 
-def llama_shape_rules(shape: dict) -> None:
-    heads_divide_width(shape)
+def llama_shape_rules(cfg, shape: dict) -> None:
+    if not shape:
+        return
+    heads_divide_width(cfg, shape)
     kv = shape["n_kv_head"] or shape["n_head"]
     if shape["n_head"] % kv:
         raise UserError(f"model.n_head {shape['n_head']} must be divisible by model.n_kv_head {kv}.")
@@ -275,7 +291,7 @@ register(
         builders.build_llama,
         LLAMA_PRESETS,
         custom_needs=("n_layer", "n_embd", "n_head", "ffn_size"),
-        check_shape=llama_shape_rules,
+        check=llama_shape_rules,
         knobs=LlamaKnobs,
         checks={
             "n_kv_head": checks.unset_or(checks.positive),
@@ -285,6 +301,39 @@ register(
         },
         tokenizer="gpt2",  # byte-level BPE with one end-of-text token, as Llama 3's
         hf_model_types=("llama",),
+        evaluations=LANGUAGE_EVALUATIONS,
+    )
+)
+
+
+@dataclass
+class HFCausalLMKnobs:
+    # hf_causal_lm: the Hugging Face config of the architecture to build fresh (a directory holding
+    # config.json, or a hub name when online), e.g. a Qwen2 or Mistral config; its sizes are the model's
+    hf_config: str | None = None
+
+
+def hf_causal_lm_rules(cfg, shape: dict) -> None:
+    if not cfg.hf_config and not cfg.init_from:
+        raise UserError("model.kind hf_causal_lm needs model.hf_config (a Hugging Face config: a directory with config.json) or model.init_from.")
+    for key in ("size", "n_layer", "n_embd", "n_head"):
+        if getattr(cfg, key) is not None:
+            raise UserError(f"model.{key} has no meaning for hf_causal_lm, whose sizes are its config's; leave it unset.")
+
+
+# Any other causal LM transformers has (Qwen2, Mistral, Phi, Gemma, OLMo, ...), from its config: one
+# generic entry rather than one per architecture, so a new architecture needs no code; a family that
+# wants presets, knobs or rules of its own (as llama) gets an entry of its own.
+register(
+    ModelSpec(
+        "hf_causal_lm",
+        "Hugging Face causal LM",
+        "causal_lm",
+        builders.build_hf_causal_lm,
+        check=hf_causal_lm_rules,
+        knobs=HFCausalLMKnobs,
+        tokenizer="gpt2",
+        hf_model_types=(ANY_CAUSAL_LM,),
         evaluations=LANGUAGE_EVALUATIONS,
     )
 )
