@@ -46,7 +46,8 @@ def load_language_model(path: str | Path, evaluation: str | None = None) -> Load
     path = Path(path)
     loaded = _load_hugging_face(path) if (path / "config.json").is_file() else _load_checkpoint(path)
     if evaluation is not None and evaluation not in models.get(loaded.kind).evaluations:
-        wanted = " or ".join(spec.title for spec in models.accepting(evaluation))
+        *others, last = [spec.title for spec in models.accepting(evaluation)]
+        wanted = f"{', '.join(others)} or {last}" if others else last
         raise UserError(f"{path} holds a {models.get(loaded.kind).title} model; this evaluation needs a {wanted} model.")
     loaded.model.eval()
     return loaded
