@@ -247,7 +247,7 @@ def test_resnet_run_is_refused(tmp_path):
     (checkpoint / "COMPLETE").write_text("step 1\nworld_size 1\n")
     torch.save({"fc.weight": torch.zeros(10, 512)}, checkpoint / "model.pt")
     done = zoa("export", str(run), str(tmp_path / "out"))
-    assert_one_sentence_exit_2(done, "resnet18", "needs a run of a language model (GPT-2, BERT, Llama)")
+    assert_one_sentence_exit_2(done, "resnet18", "needs a run of a language model (GPT-2, BERT, Llama, Hugging Face causal LM)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resnet"]
 
 
