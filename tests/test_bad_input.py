@@ -129,7 +129,11 @@ CASES = {
     "empty mapping": (recipe_file("{}\n"), "is empty; a recipe must at least name model.kind", False),
     "no model.kind": (recipe_file("train:\n  steps: 10\n"), "does not name model.kind", False),
     "not a mapping": (recipe_file("- gpt2\n- adam\n"), "must hold a mapping of sections", False),
-    "unknown model": (recipe_file("model:\n  kind: gpt3\n"), "model.kind must be one of gpt2, bert, resnet18, resnet34, resnet50, not 'gpt3'", False),
+    "unknown model": (
+        recipe_file("model:\n  kind: gpt3\n"),
+        "model.kind must be one of gpt2, bert, resnet18, resnet34, resnet50, llama, hf_causal_lm, not 'gpt3'",
+        False,
+    ),
     "unknown model size": (recipe_with("model.size=huge"), "model.size 'huge' is not a gpt2 preset", False),
     "unknown schedule": (recipe_with("schedule.name=linear"), "schedule.name must be one of constant, exponential, cosine, not 'linear'", False),
     "data of another task": (recipe_with("model.kind=resnet18"), "data.source must be digits or folder for resnet18, not 'bundled'", False),

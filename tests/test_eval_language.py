@@ -457,8 +457,14 @@ def test_bad_input_is_one_sentence_and_exit_code_2(run_dir, data_files, bert_dir
         "missing wikitext file": (["wikitext", "--checkpoint", str(run_dir), "--data", str(tmp_path / "wiki.test.tokens")], "does not exist"),
         "missing lambada file": (["lambada", "--checkpoint", str(run_dir), "--data", str(tmp_path / "nope.jsonl")], "does not exist"),
         "no text field": (["lambada", "--checkpoint", str(run_dir), "--data", str(bad_lines)], "line 2 of"),
-        "BERT for wikitext": (["wikitext", "--checkpoint", str(bert_dir), "--data", wikitext], "holds a BERT model; this evaluation needs a GPT-2 model"),
-        "BERT for lambada": (["lambada", "--checkpoint", str(bert_dir), "--data", lambada], "holds a BERT model; this evaluation needs a GPT-2 model"),
+        "BERT for wikitext": (
+            ["wikitext", "--checkpoint", str(bert_dir), "--data", wikitext],
+            "holds a BERT model; this evaluation needs a GPT-2, Llama or Hugging Face causal LM model",
+        ),
+        "BERT for lambada": (
+            ["lambada", "--checkpoint", str(bert_dir), "--data", lambada],
+            "holds a BERT model; this evaluation needs a GPT-2, Llama or Hugging Face causal LM model",
+        ),
         "missing checkpoint": (["lambada", "--checkpoint", str(tmp_path / "none"), "--data", lambada], "no such file or directory"),
         "zero stride": (["wikitext", "--checkpoint", str(run_dir), "--data", wikitext, "--stride", "0"], "--stride"),
         "unknown document rule": (["wikitext", "--checkpoint", str(run_dir), "--data", wikitext, "--documents", "pages"], "--documents must be one of"),

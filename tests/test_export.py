@@ -190,8 +190,8 @@ def test_overwrite_replaces_and_a_failed_export_changes_nothing(gpt2_run, tmp_pa
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     real = checkpoints.load_language_model
 
-    def failing_tokenizer(path, expect=None):
-        loaded = real(path, expect)
+    def failing_tokenizer(path, evaluation=None):
+        loaded = real(path, evaluation)
 
         def full(*args, **kwargs):
             raise OSError(28, "No space left on device")
@@ -247,7 +247,7 @@ def test_resnet_run_is_refused(tmp_path):
     (checkpoint / "COMPLETE").write_text("step 1\nworld_size 1\n")
     torch.save({"fc.weight": torch.zeros(10, 512)}, checkpoint / "model.pt")
     done = zoa("export", str(run), str(tmp_path / "out"))
-    assert_one_sentence_exit_2(done, "resnet18", "GPT-2 or BERT")
+    assert_one_sentence_exit_2(done, "resnet18", "needs a run of a language model (GPT-2, BERT, Llama, Hugging Face causal LM)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resnet"]
 
 

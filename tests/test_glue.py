@@ -307,7 +307,7 @@ def cue_task(tmp_path_factory, tiny_bert) -> Path:
 def test_the_encoder_comes_from_the_checkpoint(tiny_bert):
     from zoa_train.evaluation.checkpoints import load_language_model
 
-    loaded = load_language_model(tiny_bert, expect="bert")
+    loaded = load_language_model(tiny_bert, "glue")
     state = glue.encoder_weights(tiny_bert, loaded)
     assert not any(k.startswith("pooler.") for k in state)  # a masked-LM model: no pooler
     torch.manual_seed(0)

@@ -363,7 +363,7 @@ def convert_deepspeed_command(
     model: Annotated[
         str,
         typer.Option(
-            help="The model, which a DeepSpeed config does not name: gpt2, gpt2-medium, bert-base, bert-large, resnet50, ... [default: bert-large]",
+            help="The model, which a DeepSpeed config does not name: gpt2, gpt2-medium, bert-base, bert-large, llama-1B, resnet50, ... [default: bert-large]",
             show_default=False,
         ),
     ] = "bert-large",
@@ -419,12 +419,13 @@ def eval_imagenet(
     """Top-1 and top-5 accuracy and the loss of a ResNet over every image of a validation set; split over the ranks under torchrun or srun."""
     from zoa_train.evaluation.imagenet import evaluate_imagenet
     from zoa_train.files import check_output_file, write_json_file
-    from zoa_train.models import RESNETS
+    from zoa_train.models import registry as models
 
     if batch_size < 1 or workers < 0 or resize_size < 0 or crop_size < 0:
         fail("--batch-size must be at least 1, and --workers, --resize-size and --crop-size not negative.")
-    if model and model not in RESNETS:
-        fail(f"--model must be one of {', '.join(RESNETS)}, not {model!r}.")
+    kinds = [spec.kind for spec in models.accepting("imagenet")]
+    if model and model not in kinds:
+        fail(f"--model must be one of {', '.join(kinds)}, not {model!r}.")
     if json_out is not None:
         check_output_file(json_out, "--json")  # before the evaluation: its result must have somewhere to go
     result = evaluate_imagenet(checkpoint, data, batch_size, workers, model or None, resize_size or None, crop_size or None)

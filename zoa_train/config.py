@@ -24,7 +24,7 @@ from zoa_train.comm.kernels import CHOICES as KERNEL_CHOICES
 from zoa_train.comm.topology import TOPOLOGIES
 from zoa_train.errors import UserError
 from zoa_train.files import load_yaml
-from zoa_train.models.builders import MODEL_PRESETS, ModelConfig, model_shape
+from zoa_train.models import registry as models
 from zoa_train.optim import LRSchedule, registry
 
 
@@ -61,26 +61,49 @@ class OptimizerConfig:
         return _optimizer_config_from, (dataclasses.asdict(self),)
 
 
+class ModelConfig:
+    """The model section, made from the model registry as the optimizer section is from its own
+    (`model_section()`): `kind`, the keys every family shares (models.SharedKnobs), then every
+    registered family's own knobs; a family's rules refuse another family's knob set (models.check_section)."""
+
+    def __reduce__(self):
+        return _model_config_from, (dataclasses.asdict(self),)
+
+
 def _optimizer_config_from(values: dict) -> OptimizerConfig:
     return optimizer_section()(**values)
+
+
+def _model_config_from(values: dict) -> ModelConfig:
+    return model_section()(**values)
 
 
 _SECTION: dict[tuple, type] = {}
 
 
+def _made_section(base: type, key: str, names: tuple[str, ...], default: str, knobs: list[dataclasses.Field]) -> type:
+    """The dataclass of a section named by a registry: `key` (one of `names`), then `knobs`."""
+    cache = (base, names)
+    if cache not in _SECTION:
+        fields = [(key, Literal[names], field(default=default))]
+        fields += [(f.name, f.type, field(default=f.default)) for f in knobs]
+        section = dataclasses.make_dataclass(base.__name__, fields, bases=(base,))
+        section.__module__ = __name__
+        _SECTION[cache] = section
+    return _SECTION[cache]
+
+
 def optimizer_section() -> type:
     """The optimizer section's dataclass for the optimizers registered now."""
-    key = registry.names()
-    if key not in _SECTION:
-        fields = [("name", Literal[key], field(default=DEFAULT_OPTIMIZER))]
-        for f in [*dataclasses.fields(registry.SharedKnobs), *registry.knob_fields()]:
-            fields.append((f.name, f.type, field(default=f.default)))
-        section = dataclasses.make_dataclass("OptimizerConfig", fields, bases=(OptimizerConfig,))
-        section.__module__ = __name__
-        _SECTION[key] = section
-    return _SECTION[key]
+    return _made_section(OptimizerConfig, "name", registry.names(), DEFAULT_OPTIMIZER, [*dataclasses.fields(registry.SharedKnobs), *registry.knob_fields()])
 
 
+def model_section() -> type:
+    """The model section's dataclass for the model families registered now."""
+    return _made_section(ModelConfig, "kind", models.names(), DEFAULT_MODEL, [*dataclasses.fields(models.SharedKnobs), *models.knob_fields()])
+
+
+DEFAULT_MODEL = "gpt2"
 DEFAULT_OPTIMIZER = "zero_one_adam"
 
 
@@ -140,7 +163,7 @@ class LoggingConfig:
 
 @dataclass
 class Recipe:
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: ModelConfig = field(default_factory=lambda: model_section()())
     data: DataConfig = field(default_factory=DataConfig)
     optimizer: OptimizerConfig = field(default_factory=lambda: optimizer_section()())
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -148,7 +171,8 @@ class Recipe:
     comm: CommConfig = field(default_factory=CommConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Python modules imported before the rest of the recipe is read, by every process that reads it:
-    # they register optimizers of your own (zoa_train.optim.registry.register; docs/optimizers.md).
+    # they register optimizers (zoa_train.optim.registry.register; docs/optimizers.md) or model families
+    # (zoa_train.models.registry.register; docs/models.md) of your own.
     imports: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
@@ -197,7 +221,7 @@ def _check_names_a_model(data: dict, path: Path) -> None:
         raise UserError(f"recipe file {path} is empty; a recipe must at least name model.kind (e.g. model: {{kind: gpt2}}).")
     model = data.get("model")
     if not isinstance(model, dict) or model.get("kind") is None:
-        raise UserError(f"{path} does not name model.kind; a recipe must at least say which model it trains (gpt2, bert, resnet18, resnet34 or resnet50).")
+        raise UserError(f"{path} does not name model.kind; a recipe must at least say which model it trains ({', '.join(models.names())}).")
 
 
 def recipe_from_dict(data: dict, origin: str = "recipe") -> Recipe:
@@ -253,7 +277,8 @@ def build_section(cls, data, origin: str, prefix: str = ""):
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys are {', '.join(names)}."
             raise UserError(f"{origin}: unknown key {prefix}{key}{hint}")
-        kind = optimizer_section() if hints[key] is OptimizerConfig else hints[key]
+        made = {OptimizerConfig: optimizer_section, ModelConfig: model_section}.get(hints[key])
+        kind = made() if made else hints[key]
         if dataclasses.is_dataclass(kind):
             values[key] = build_section(kind, value if value is not None else {}, origin, f"{prefix}{key}.")
         else:
@@ -330,10 +355,6 @@ CHECKS: dict[str, checks.Check] = {
     "schedule.warmup_steps": checks.non_negative,
     "schedule.decay_factor": checks.within(0, 1, low_open=True, high_open=False),
     "schedule.min_lr": checks.non_negative,
-    "model.dropout": checks.FRACTION,
-    "model.n_layer": checks.unset_or(checks.positive),
-    "model.n_embd": checks.unset_or(checks.positive),
-    "model.n_head": checks.unset_or(checks.positive),
     "comm.ranks_per_node": checks.non_negative,
     "comm.bucket_cap_mb": checks.non_negative,
 }
@@ -341,9 +362,11 @@ CHECKS: dict[str, checks.Check] = {
 
 def _check(recipe: Recipe, origin: str) -> None:
     """The table of checks, then rules that involve a value's meaning or several fields."""
-    o, d, m = recipe.optimizer, recipe.data, recipe.model
+    o, d = recipe.optimizer, recipe.data
     table = {
         **CHECKS,
+        **{f"model.{key}": check for key, check in models.SHARED_CHECKS.items()},
+        **{f"model.{key}": check for kind in models.names() for key, check in models.get(kind).checks.items()},
         **{f"optimizer.{key}": check for key, check in registry.SHARED_CHECKS.items()},
         **{f"optimizer.{key}": check for name in registry.names() for key, check in registry.get(name).checks.items()},
     }
@@ -362,16 +385,10 @@ def _check(recipe: Recipe, origin: str) -> None:
             f"takes the lr from {o.lr} to {final_lr:.3g} by step {recipe.train.steps:,}, below the smallest normal float ({sys.float_info.min:.3g}); "
             "decay more slowly or train fewer steps."
         )
-    if m.kind in MODEL_PRESETS and not m.init_from:  # init_from: the pretrained model's own shape
-        try:  # the preset name, custom's three sizes, n_embd divisible by n_head: before any rank starts
-            model_shape(m)
-        except UserError as e:
-            raise UserError(f"{origin}: {e}") from None
+    models.check_section(recipe.model, origin)  # the preset, custom's sizes, the family's rules: before any rank starts
     for name in d.train_files + d.validation_files:
         if not any(ch in name for ch in "*?[") and Path(name).expanduser().is_dir():
             raise UserError(f"{origin}: data file {name} is a directory; data.train_files and data.validation_files name files or glob patterns.")
-    if m.next_sentence and m.kind != "bert":
-        raise UserError(f"{origin}: model.next_sentence is a BERT head; set it to false for {m.kind}.")
     from zoa_train.tasks import task_class  # imports nothing heavy
 
     task_class(recipe).check(recipe, origin)

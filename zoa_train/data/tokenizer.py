@@ -62,6 +62,16 @@ def load_or_train_tokenizer(
     return tokenizer
 
 
+def load_saved_tokenizer(kind: str, directory: str | Path) -> "PreTrainedTokenizerBase":
+    """A run's saved tokenizer (its tokenizer/ directory) as its model needs it. A tokenizer trained by
+    zoa-train omits token_type_ids, which BERT's sentence pairs need (segment B is 1, as in training);
+    asking for them also records them in a re-saved tokenizer_config.json."""
+    from transformers import AutoTokenizer
+
+    inputs = {"model_input_names": ["input_ids", "token_type_ids", "attention_mask"]} if kind == "bert" else {}
+    return AutoTokenizer.from_pretrained(directory, **inputs)
+
+
 def _load_pretrained(name_or_path: str) -> "PreTrainedTokenizerBase":
     """A hub name or a local directory; offline only a local directory (or a hub cache) works."""
     from transformers import AutoTokenizer

@@ -2,7 +2,10 @@
 
 `load_language_model(path)` accepts a run directory (its latest complete checkpoint), a checkpoint
 directory, a model file inside a run directory, or a Hugging Face directory (`zoa-train export`'s
-output, or any GPT-2/BERT model saved with save_pretrained). A checkpoint taken inside a 0/1 Adam
+output, or any model of a registered language family saved with save_pretrained: GPT-2, BERT, Llama).
+The model family's registry entry (zoa_train/models/registry.py) says how a checkpoint is rebuilt
+(its builder, from the run's recipe and tokenizer), which Hugging Face model types it holds, and
+which evaluations accept it. A checkpoint taken inside a 0/1 Adam
 local-step period holds each rank's own parameters (rank_XXXXX.pt "model"); its model is then the
 ranks' average, and `averaged_ranks` says how many were averaged.
 """
@@ -15,8 +18,7 @@ from pathlib import Path
 import torch
 
 from zoa_train.errors import UserError
-
-FAMILIES = {"gpt2": "GPT-2", "bert": "BERT"}
+from zoa_train.models import registry as models
 
 log = logging.getLogger(__name__)
 
@@ -25,20 +27,34 @@ log = logging.getLogger(__name__)
 class LoadedModel:
     model: torch.nn.Module  # on the CPU, in eval mode
     tokenizer: object  # a transformers PreTrainedTokenizerBase
-    kind: str  # "gpt2" or "bert"
+    kind: str  # the model family (model.kind): "gpt2", "bert", "llama", ...
     step: int | None  # the checkpoint's step, when known
     source: str  # what was loaded, for reports
     averaged_ranks: int = 1  # > 1: the ranks' parameters differed and were averaged
 
+    @property
+    def auto_class(self) -> str:
+        """The transformers Auto class that loads this model once saved (e.g. AutoModelForCausalLM)."""
+        from zoa_train.tasks import task_of
 
-def load_language_model(path: str | Path, expect: str | None = None) -> LoadedModel:
-    """The model and tokenizer at `path`; `expect` ("gpt2" or "bert") refuses the other family in one sentence."""
+        return task_of(self.kind).auto_class(type(self.model).__name__)
+
+
+def load_language_model(path: str | Path, evaluation: str | None = None) -> LoadedModel:
+    """The model and tokenizer at `path`; `evaluation` (e.g. "wikitext") refuses, in one sentence, a
+    family whose registry entry does not list it."""
     path = Path(path)
     loaded = _load_hugging_face(path) if (path / "config.json").is_file() else _load_checkpoint(path)
-    if expect is not None and loaded.kind != expect:
-        raise UserError(f"{path} holds a {FAMILIES.get(loaded.kind, loaded.kind)} model; this evaluation needs a {FAMILIES[expect]} model.")
+    if evaluation is not None and evaluation not in models.get(loaded.kind).evaluations:
+        *others, last = [spec.title for spec in models.accepting(evaluation)]
+        wanted = f"{', '.join(others)} or {last}" if others else last
+        raise UserError(f"{path} holds a {models.get(loaded.kind).title} model; this evaluation needs a {wanted} model.")
     loaded.model.eval()
     return loaded
+
+
+def _language_families() -> str:
+    return ", ".join(spec.title for spec in map(models.get, models.names()) if spec.tokenizer)
 
 
 def _load_hugging_face(path: Path) -> LoadedModel:
@@ -46,45 +62,38 @@ def _load_hugging_face(path: Path) -> LoadedModel:
 
     try:
         config = transformers.AutoConfig.from_pretrained(path)
-        if config.model_type not in FAMILIES:
-            raise UserError(f"{path} holds a {config.model_type} model; zoa-train evaluates GPT-2 and BERT models.")
-        if config.model_type == "gpt2":
-            model = transformers.AutoModelForCausalLM.from_pretrained(path)
-        elif "BertForPreTraining" in (config.architectures or []):
-            model = transformers.AutoModelForPreTraining.from_pretrained(path)
-        else:
-            model = transformers.AutoModelForMaskedLM.from_pretrained(path)
+        spec = models.of_hf_model_type(config.model_type)
+        if spec is None or not spec.tokenizer:
+            raise UserError(f"{path} holds a {config.model_type} model; zoa-train evaluates {_language_families()} models.")
+        from zoa_train.tasks import task_of
+
+        auto_class = task_of(spec.kind).auto_class((config.architectures or [None])[0])
+        model = getattr(transformers, auto_class).from_pretrained(path)
         tokenizer = transformers.AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise UserError(f"{path} is not a loadable Hugging Face model directory: {str(e).strip().splitlines()[0]}") from None
-    return LoadedModel(model, tokenizer, config.model_type, None, str(path))
+    return LoadedModel(model, tokenizer, spec.kind, None, str(path))
 
 
 def _load_checkpoint(path: Path) -> LoadedModel:
-    import transformers
-
     from zoa_train.config import load_recipe
-    from zoa_train.models import build_bert, build_gpt2
+    from zoa_train.data.tokenizer import load_saved_tokenizer
+    from zoa_train.models import ModelInputs, create
 
     model_file, run, state, ranks, step = _read_state(path)
     if run is None:
         raise UserError(f"{model_file} lies outside a run directory: its recipe.yaml and tokenizer/ are needed to rebuild the model.")
-    recipe = load_recipe(run.path / "recipe.yaml")
+    recipe = load_recipe(run.path / "recipe.yaml")  # its imports register the families of one's own
     kind = recipe.model.kind
-    if kind not in FAMILIES:
-        raise UserError(f"{run.path} trained a {kind} model; this needs a GPT-2 or BERT run.")
+    spec = models.get(kind)
+    if not spec.tokenizer:
+        raise UserError(f"{run.path} trained a {kind} model; this needs a run of a language model ({_language_families()}).")
     tokenizer_dir = run.path / "tokenizer"
     if not tokenizer_dir.is_dir():
         raise UserError(f"run directory {run.path} has no tokenizer/ directory.")
-    # A tokenizer trained by zoa-train omits token_type_ids, which BERT's sentence pairs need (segment B
-    # is 1, as in training); asking for them also records them in a re-saved tokenizer_config.json.
-    inputs = {"model_input_names": ["input_ids", "token_type_ids", "attention_mask"]} if kind == "bert" else {}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(tokenizer_dir, **inputs)
+    tokenizer = load_saved_tokenizer(spec.tokenizer, tokenizer_dir)
     cfg = dataclasses.replace(recipe.model, init_from=None)  # the weights come from the checkpoint
-    if kind == "gpt2":
-        model = build_gpt2(cfg, len(tokenizer), recipe.data.seq_len, tokenizer.eos_token_id)
-    else:
-        model = build_bert(cfg, len(tokenizer), recipe.data.seq_len, tokenizer.pad_token_id)
+    model = create(cfg, ModelInputs.of_tokenizer(tokenizer, recipe.data.seq_len))  # as the task built it
     try:
         model.load_state_dict(state)
     except RuntimeError as e:

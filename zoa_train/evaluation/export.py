@@ -1,8 +1,9 @@
-"""`zoa-train export CHECKPOINT OUT_DIR`: a trained GPT-2 or BERT as a Hugging Face model directory.
+"""`zoa-train export CHECKPOINT OUT_DIR`: a trained language model (GPT-2, BERT, Llama, or a family of
+one's own: zoa_train/models/registry.py) as a Hugging Face model directory.
 
 OUT_DIR gets what `save_pretrained` writes for the model (config.json, model.safetensors,
-generation_config.json for GPT-2) and for the run's tokenizer, so that
-`transformers.AutoModelForCausalLM` (GPT-2), `AutoModelForPreTraining` / `AutoModelForMaskedLM`
+generation_config.json for the causal LMs) and for the run's tokenizer, so that
+`transformers.AutoModelForCausalLM` (GPT-2, Llama), `AutoModelForPreTraining` / `AutoModelForMaskedLM`
 (BERT) and `AutoTokenizer.from_pretrained(OUT_DIR)` load it, and with them lm-evaluation-harness
 (`--model hf --model_args pretrained=OUT_DIR`) and pipelines. Beside the model, zoa_export.json
 records where it came from: source, checkpoint step, model kind and class, how many ranks were
@@ -31,22 +32,18 @@ from zoa_train.errors import UserError
 from zoa_train.files import check_directory
 
 RECORD = "zoa_export.json"
-LOADERS = {"GPT2LMHeadModel": "AutoModelForCausalLM", "BertForPreTraining": "AutoModelForPreTraining", "BertForMaskedLM": "AutoModelForMaskedLM"}
 
 
 @dataclass
 class ExportResult:
     out_dir: Path
-    kind: str  # "gpt2" or "bert"
+    kind: str  # the model family (model.kind)
     architecture: str  # the transformers class, e.g. GPT2LMHeadModel
+    auto_class: str  # the transformers Auto class that loads it, e.g. AutoModelForCausalLM
     step: int | None
     source: str
     averaged_ranks: int
     files: list[tuple[str, int]] = field(default_factory=list)  # (name, bytes), sorted by name
-
-    @property
-    def auto_class(self) -> str:
-        return LOADERS.get(self.architecture, "AutoModel")
 
 
 def export_language_model(checkpoint: str | Path, out_dir: str | Path, overwrite: bool = False) -> ExportResult:
@@ -107,7 +104,7 @@ def _export(loaded, checkpoint: Path, out_dir: Path, shown: Path, overwrite: boo
         shutil.rmtree(staged, ignore_errors=True)
         raise
     files = sorted((str(p.relative_to(out_dir)), p.stat().st_size) for p in out_dir.rglob("*") if p.is_file())
-    return ExportResult(shown, loaded.kind, architecture, loaded.step, record["source"], loaded.averaged_ranks, files)
+    return ExportResult(shown, loaded.kind, architecture, loaded.auto_class, loaded.step, record["source"], loaded.averaged_ranks, files)
 
 
 def _check_destination(checkpoint: Path, out_dir: Path, shown: Path, overwrite: bool) -> None:
@@ -190,7 +187,7 @@ def export_command(
     out_dir: Annotated[Path, typer.Argument(help="The Hugging Face model directory to write; absent or empty unless --overwrite.", show_default=False)],
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT_DIR (only once the new export is complete).")] = False,
 ) -> None:
-    """Write a GPT-2 or BERT checkpoint and its tokenizer as a Hugging Face model directory.
+    """Write a language model's checkpoint (GPT-2, BERT, Llama) and its tokenizer as a Hugging Face model directory.
 
     The directory is what save_pretrained writes (for from_pretrained, pipelines, lm-evaluation-harness) plus zoa_export.json, its provenance; a checkpoint inside a local-step period exports the ranks' average."""
     from rich.table import Table

@@ -587,7 +587,7 @@ def evaluate_glue(checkpoint: str | Path, task: str, data_dir: str | Path, overr
     from zoa_train.evaluation.checkpoints import load_language_model
 
     with _quiet_transformers():  # its loading reports (weights newly initialised, progress bars) are expected here
-        loaded = load_language_model(checkpoint, expect="bert")
+        loaded = load_language_model(checkpoint, "glue")
         encoder_state = encoder_weights(Path(checkpoint), loaded)
     config = loaded.model.config
     if cfg.seq_len > config.max_position_embeddings:

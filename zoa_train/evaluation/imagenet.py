@@ -26,10 +26,10 @@ def evaluate_imagenet(
     crop_size: int | None = None,
 ) -> dict | None:
     """The metrics as a dict on rank 0 (None on the other ranks)."""
-    from zoa_train.config import load_recipe
+    from zoa_train.config import load_recipe, model_section
     from zoa_train.data.images import eval_transform, image_validation_batches, scan_image_folder
     from zoa_train.distributed import evaluation_ranks
-    from zoa_train.models import ModelConfig, build_resnet
+    from zoa_train.models import ModelInputs, create
     from zoa_train.tasks.base import evaluate_batches
     from zoa_train.tasks.images import ImageClassification, classification_sums
     from zoa_train.train.rundir import resolve_model_file
@@ -51,7 +51,7 @@ def evaluate_imagenet(
         samples = [(path, index[folder_classes[label]]) for path, label in samples]
     try:
         state = torch.load(model_file, map_location="cpu", weights_only=True)
-        model = build_resnet(ModelConfig(kind=kind), state["fc.weight"].shape[0])
+        model = create(model_section()(kind=kind), ModelInputs(num_classes=state["fc.weight"].shape[0]))
         model.load_state_dict(state)
     except Exception as e:  # noqa: BLE001 -- whatever torch.load or the state dict raise, the file is not this model
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

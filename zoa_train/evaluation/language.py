@@ -1,4 +1,5 @@
-"""`zoa-train eval wikitext` and `zoa-train eval lambada`: zero-shot language-model evaluation of GPT-2 checkpoints.
+"""`zoa-train eval wikitext` and `zoa-train eval lambada`: zero-shot evaluation of causal LMs
+(GPT-2, Llama: the families whose registry entry lists them, zoa_train/models/registry.py).
 
 WikiText-103 (the protocol of Megatron-LM's and the GPT-2 paper's zero-shot evaluation)
   The test file as distributed (`wiki.test.tokens`: word-level, space-separated, `@-@` for hyphens)
@@ -277,7 +278,7 @@ def wikitext_windows(
         raise UserError("the text has fewer than 2 tokens; a perplexity needs at least one token after the first.")
     eos = tokenizer.eos_token_id
     if eos is None:
-        raise UserError("the model's tokenizer has no end-of-text token, which GPT-2's evaluation needs.")
+        raise UserError("the model's tokenizer has no end-of-text token, which a causal LM's evaluation needs.")
     lm_eval = []
     for document in documents:  # each alone: its first token after end-of-text, nothing between documents scored
         ids = encode(tokenizer, wikitext_detokenize(document) if detokenize else document)
@@ -493,13 +494,13 @@ def _score_with_progress(model, passes: list[tuple[str, list[Window]]], batch_si
     return _add_over_ranks(sums, ranks)
 
 
-def _load(checkpoint: Path):
+def _load(checkpoint: Path, evaluation: str):
     import transformers
 
     from zoa_train.evaluation.checkpoints import load_language_model
 
     transformers.utils.logging.disable_progress_bar()  # "Loading weights" bars: the commands show their own progress
-    return load_language_model(checkpoint, expect="gpt2")
+    return load_language_model(checkpoint, evaluation)
 
 
 def _described(loaded, source: str) -> dict:
@@ -512,7 +513,9 @@ def _number(x: float) -> str:
 
 
 # --- Commands (registered on `zoa-train eval` in zoa_train/cli.py) -------------------------------
-CHECKPOINT_HELP = "A run directory (its latest complete checkpoint), a checkpoint directory, a model file or a Hugging Face GPT-2 directory."
+CHECKPOINT_HELP = (
+    "A run directory (its latest complete checkpoint), a checkpoint directory, a model file or a Hugging Face directory of a causal LM (GPT-2, Llama)."
+)
 
 
 def evaluate_wikitext(
@@ -536,7 +539,7 @@ def evaluate_wikitext(
         raise UserError(f"--text-field names the JSON field of --documents jsonl; --documents {rule} reads plain text.")
     started = time.perf_counter()
     original, document_texts, source = read_wikitext(data, rule, text_field or "text")
-    loaded = _load(checkpoint)
+    loaded = _load(checkpoint, "wikitext")
     n_positions = model_context(loaded.model)
     used_seq_len = min(seq_len, n_positions) if n_positions else seq_len
     used_stride = min(stride, used_seq_len)
@@ -608,7 +611,7 @@ def wikitext_command(
     ] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.", show_default=False)] = None,
 ) -> None:
-    """Zero-shot WikiText-103 perplexity of a GPT-2 model: token and adjusted (word-level) perplexity with overlapping windows, and lm-evaluation-harness's word_perplexity and bits_per_byte; split over the ranks under torchrun or srun."""
+    """Zero-shot WikiText-103 perplexity of a causal LM (GPT-2, Llama): token and adjusted (word-level) perplexity with overlapping windows, and lm-evaluation-harness's word_perplexity and bits_per_byte; split over the ranks under torchrun or srun."""
     from rich.table import Table
 
     from zoa_train import console as zoa_console
@@ -643,7 +646,7 @@ def evaluate_lambada(checkpoint: Path, data: str, batch_size: int, seq_len: int 
         raise UserError("--batch-size must be at least 1 and --seq-len at least 2 (or 0 for the model's n_positions).")
     started = time.perf_counter()
     texts, source = read_lambada(data)
-    loaded = _load(checkpoint)
+    loaded = _load(checkpoint, "lambada")
     n_positions = model_context(loaded.model)
     limits = [n for n in (seq_len, n_positions) if n]
     used_seq_len = min(limits) if limits else None
@@ -687,7 +690,7 @@ def lambada_command(
     ] = 0,
     json_out: Annotated[Path | None, typer.Option("--json", help="Also write the results to this JSON file.", show_default=False)] = None,
 ) -> None:
-    """LAMBADA last-word prediction of a GPT-2 model: strict accuracy (every token of the word the argmax), target perplexity and lm-evaluation-harness's perplexity; split over the ranks under torchrun or srun."""
+    """LAMBADA last-word prediction of a causal LM (GPT-2, Llama): strict accuracy (every token of the word the argmax), target perplexity and lm-evaluation-harness's perplexity; split over the ranks under torchrun or srun."""
     from rich.table import Table
 
     from zoa_train import console as zoa_console

@@ -16,7 +16,7 @@ import yaml
 from zoa_train.config import apply_override, recipe_from_dict
 from zoa_train.errors import UserError
 from zoa_train.files import check_output_file, load_json, make_directory
-from zoa_train.models.builders import MODEL_PRESETS
+from zoa_train.models import registry as models
 from zoa_train.optim.deepspeed_names import PARAMS, ZOA_OPTIMIZER, optimizer_key, translate
 
 _SPLITTING = "zoa-train is data-parallel only: every rank holds the whole model and optimizer state, which 1-bit and 0/1 Adam need"
@@ -129,11 +129,14 @@ def _refuse_auto(node, path: Path, prefix: str) -> None:
 
 
 def parse_model(model: str) -> dict:
-    """--model KIND or KIND-SIZE (gpt2, gpt2-medium, bert-large, resnet50) as a recipe's model section."""
-    kinds = ("gpt2", "bert", "resnet18", "resnet34", "resnet50")
+    """--model KIND or KIND-SIZE (gpt2, gpt2-medium, bert-large, llama-1B, resnet50) as a recipe's model section."""
     kind, _, size = model.partition("-")
-    if kind not in kinds or (size and size not in MODEL_PRESETS.get(kind, {})):
-        raise UserError(f"--model must be one of {', '.join(kinds)}, with a size for gpt2 or bert (e.g. bert-large, gpt2-medium), not {model!r}.")
+    spec = models.find(kind)
+    if spec is None or (size and size not in spec.presets):
+        sized = [k for k in models.names() if models.get(k).presets]
+        raise UserError(
+            f"--model must be one of {', '.join(models.names())}, with a size for {', '.join(sized)} (e.g. bert-large, gpt2-medium, llama-1B), not {model!r}."
+        )
     return {"kind": kind, **({"size": size} if size else {})}
 
 

@@ -1,5 +1,6 @@
-"""Model builders: GPT-2 and BERT through transformers, ResNets through torchvision; nothing is downloaded."""
+"""Model families by name (zoa_train/models/registry.py) and their builders; nothing is downloaded."""
 
-from zoa_train.models.builders import MODEL_PRESETS, RESNETS, ModelConfig, build_bert, build_gpt2, build_resnet, model_shape
+from zoa_train.models.builders import ModelInputs
+from zoa_train.models.registry import ModelSpec, create, register
 
-__all__ = ["MODEL_PRESETS", "RESNETS", "ModelConfig", "build_bert", "build_gpt2", "build_resnet", "model_shape"]
+__all__ = ["ModelInputs", "ModelSpec", "create", "register"]

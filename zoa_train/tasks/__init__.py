@@ -1,35 +1,40 @@
 """Tasks: what a recipe trains, behind one interface the trainer uses without knowing which.
 
-  causal_lm             GPT-2 on a token stream (model.kind gpt2)
+  causal_lm             a decoder on a token stream (model.kind gpt2, llama)
   masked_lm             BERT, masked LM with the optional next-sentence head (model.kind bert)
   image_classification  torchvision ResNets on ImageFolder trees (model.kind resnet18/34/50)
 
-`model.kind` names the model family and with it the task: one key, and the recipes written before
-tasks existed keep working. A task builds its data (training loader, validation batches) and its
-model, computes the loss and the validation metrics of a batch, names its throughput unit, and
-writes what it needs beside a checkpoint (a tokenizer, the class names). See tasks/base.py.
+`model.kind` names the model family (zoa_train/models/registry.py) and its entry the task: one key,
+and the recipes written before tasks existed keep working. A task builds its data (training loader,
+validation batches) and its model (through the family's builder), computes the loss and the
+validation metrics of a batch, names its throughput unit, and writes what it needs beside a
+checkpoint (a tokenizer, the class names). See tasks/base.py.
 """
 
 from pathlib import Path
 
 from zoa_train.files import make_directory
+from zoa_train.models import registry as models
 from zoa_train.tasks.base import Task
 
-_TASKS = {
-    "gpt2": ("zoa_train.tasks.language", "CausalLM"),
-    "bert": ("zoa_train.tasks.language", "MaskedLM"),
-    "resnet18": ("zoa_train.tasks.images", "ImageClassification"),
-    "resnet34": ("zoa_train.tasks.images", "ImageClassification"),
-    "resnet50": ("zoa_train.tasks.images", "ImageClassification"),
+TASKS = {
+    "causal_lm": ("zoa_train.tasks.language", "CausalLM"),
+    "masked_lm": ("zoa_train.tasks.language", "MaskedLM"),
+    "image_classification": ("zoa_train.tasks.images", "ImageClassification"),
 }
 
 
-def task_class(recipe) -> type[Task]:
-    """The Task subclass for the recipe's model.kind (its module imports nothing heavy)."""
+def task_of(kind: str) -> type[Task]:
+    """The Task subclass that the model family `kind` trains (its module imports nothing heavy)."""
     import importlib
 
-    module, name = _TASKS[recipe.model.kind]
+    module, name = TASKS[models.get(kind).task]
     return getattr(importlib.import_module(module), name)
+
+
+def task_class(recipe) -> type[Task]:
+    """The Task subclass that the recipe's model family trains."""
+    return task_of(recipe.model.kind)
 
 
 def build_task(recipe, rank: int = 0, world_size: int = 1) -> Task:
@@ -38,4 +43,4 @@ def build_task(recipe, rank: int = 0, world_size: int = 1) -> Task:
     return task_class(recipe)(recipe, rank, world_size)
 
 
-__all__ = ["Task", "build_task", "task_class"]
+__all__ = ["TASKS", "Task", "build_task", "task_class", "task_of"]

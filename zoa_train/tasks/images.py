@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from zoa_train.errors import UserError
+from zoa_train.models import ModelInputs, create
 from zoa_train.tasks.base import IMAGE_SOURCES, Task
 
 IMAGENET_CLASSES = 1000  # what `plan` counts for a folder it has not scanned
@@ -57,15 +58,11 @@ class ImageClassification(Task):
 
     @classmethod
     def model_for_counting(cls, recipe) -> torch.nn.Module:
-        from zoa_train.models import build_resnet
-
         classes = DIGITS_CLASSES if recipe.data.source == "digits" else IMAGENET_CLASSES
-        return build_resnet(dataclasses.replace(recipe.model, init_from=None), classes)
+        return create(dataclasses.replace(recipe.model, init_from=None), ModelInputs(num_classes=classes))
 
     def build_model(self) -> torch.nn.Module:
-        from zoa_train.models import build_resnet
-
-        model = build_resnet(self.recipe.model, len(self.classes))
+        model = create(self.recipe.model, ModelInputs(num_classes=len(self.classes)))
         return model.to(memory_format=torch.channels_last) if self.channels_last else model
 
     def to_device(self, batch: dict, device: torch.device) -> dict:

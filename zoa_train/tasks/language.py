@@ -1,18 +1,18 @@
-"""causal_lm (GPT-2) and masked_lm (BERT): a tokenizer and token streams (zoa_train/data), a
-transformers model, and its own loss (`model(**batch).loss`)."""
+"""causal_lm (GPT-2, Llama) and masked_lm (BERT): a tokenizer and token streams (zoa_train/data), a
+transformers model from the family's builder (zoa_train/models), and its own loss (`model(**batch).loss`)."""
 
 from pathlib import Path
 
 import torch
 
 from zoa_train.errors import UserError
+from zoa_train.models import ModelInputs, create, registry
 from zoa_train.tasks.base import IMAGE_SOURCES, Task
 
 
 class LanguageTask(Task):
     unit = "tokens"
     metrics = ("val_loss",)
-    tokenizer_family: str  # the kind of tokenizer trained when none is given: "gpt2" or "bert"
 
     def __init__(self, recipe, rank: int, world_size: int):
         from zoa_train.data import DistributedBatchLoader, TextSource, prepare_lm_data
@@ -22,7 +22,8 @@ class LanguageTask(Task):
         source = TextSource(
             name=d.source, config=d.config, train_files=tuple(d.train_files), validation_files=tuple(d.validation_files), text_field=d.text_field
         )
-        data = prepare_lm_data(source, self.tokenizer_family, Path(d.cache_dir).expanduser(), d.tokenizer, d.vocab_size)
+        tokenizer_family = registry.get(recipe.model.kind).tokenizer  # the kind of tokenizer trained when none is given
+        data = prepare_lm_data(source, tokenizer_family, Path(d.cache_dir).expanduser(), d.tokenizer, d.vocab_size)
         self.tokenizer = data.tokenizer
         self.units_per_sample = d.seq_len
         self.loader = DistributedBatchLoader(self.blocks(data.train), t.micro_batch_size, rank, world_size, t.seed)
@@ -38,6 +39,18 @@ class LanguageTask(Task):
         for name in d.train_files + d.validation_files:
             if not any(ch in name for ch in "*?[") and not Path(name).expanduser().exists():
                 raise UserError(f"{origin}: data file {name} does not exist.")
+
+    @classmethod
+    def model_for_counting(cls, recipe) -> torch.nn.Module:
+        return create(recipe.model, ModelInputs(recipe.data.vocab_size, recipe.data.seq_len))
+
+    def build_model(self) -> torch.nn.Module:
+        return create(self.recipe.model, ModelInputs.of_tokenizer(self.tokenizer, self.recipe.data.seq_len))
+
+    @classmethod
+    def auto_class(cls, architecture: str | None) -> str:
+        """The transformers Auto class that loads a saved model of this task whose class is `architecture`."""
+        raise NotImplementedError
 
     def blocks(self, tokens):
         raise NotImplementedError
@@ -61,42 +74,26 @@ class LanguageTask(Task):
 
 class CausalLM(LanguageTask):
     name = "causal_lm"
-    tokenizer_family = "gpt2"
+
+    @classmethod
+    def auto_class(cls, architecture: str | None) -> str:
+        return "AutoModelForCausalLM"
 
     def blocks(self, tokens):
         from zoa_train.data import CausalLMBlocks
 
         return CausalLMBlocks(tokens, self.recipe.data.seq_len)
 
-    def build_model(self) -> torch.nn.Module:
-        from zoa_train.models import build_gpt2
-
-        return build_gpt2(self.recipe.model, len(self.tokenizer), self.recipe.data.seq_len, self.tokenizer.eos_token_id)
-
-    @classmethod
-    def model_for_counting(cls, recipe) -> torch.nn.Module:
-        from zoa_train.models import build_gpt2
-
-        return build_gpt2(recipe.model, recipe.data.vocab_size, recipe.data.seq_len)
-
 
 class MaskedLM(LanguageTask):
     name = "masked_lm"
-    tokenizer_family = "bert"
+
+    @classmethod
+    def auto_class(cls, architecture: str | None) -> str:
+        return "AutoModelForPreTraining" if architecture and architecture.endswith("ForPreTraining") else "AutoModelForMaskedLM"
 
     def blocks(self, tokens):
         from zoa_train.data import MaskedLMBlocks, SentencePairBlocks
 
         blocks = SentencePairBlocks if self.recipe.model.next_sentence else MaskedLMBlocks
         return blocks(tokens, self.recipe.data.seq_len, self.tokenizer)
-
-    def build_model(self) -> torch.nn.Module:
-        from zoa_train.models import build_bert
-
-        return build_bert(self.recipe.model, len(self.tokenizer), self.recipe.data.seq_len, self.tokenizer.pad_token_id)
-
-    @classmethod
-    def model_for_counting(cls, recipe) -> torch.nn.Module:
-        from zoa_train.models import build_bert
-
-        return build_bert(recipe.model, recipe.data.vocab_size, recipe.data.seq_len)

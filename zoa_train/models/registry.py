@@ -1,0 +1,339 @@
+"""The model families a recipe can name, one ModelSpec each: the one place that knows them by name.
+
+Everything that names a model family reads this table: the recipe schema (zoa_train/config.py takes
+every spec's knobs as keys of the model section and `kind` from the names), the tasks (which task a
+family trains, which tokenizer it trains when none is given, the builder), `plan` (the parameter
+count, from a model built on the meta device), `eval` and `export` (how a checkpoint is rebuilt, which
+Hugging Face model types are which family, which evaluations accept it) and `convert-deepspeed`
+(`--model KIND-SIZE`). Adding a family is its builder, its entry (a `register` call: at the end of
+this file, or in a module of your own that a recipe lists under `imports`), and its tests;
+tests/model_plugin.py registers one from outside the package.
+"""
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zoa_train import checks
+from zoa_train.checks import Check
+from zoa_train.errors import UserError
+from zoa_train.models import builders
+from zoa_train.models.builders import ModelInputs
+
+
+@dataclass
+class SharedKnobs:
+    """The model section's keys that every family takes (a family without presets ignores the shape keys)."""
+
+    size: str | None = None  # a preset of the family (model.kind), "custom", or null: the family's first preset
+    n_layer: int | None = None  # overrides of the preset
+    n_embd: int | None = None
+    n_head: int | None = None
+    dropout: float | None = None  # null: the family's own default (GPT-2, BERT: 0.1; Llama: 0.0; hf_causal_lm: its config's)
+    init_from: str | None = None  # a local Hugging Face model directory or a hub name when online; ResNet: a state-dict file
+
+
+SHARED_CHECKS: dict[str, Check] = {
+    "dropout": checks.unset_or(checks.FRACTION),
+    "n_layer": checks.unset_or(checks.positive),
+    "n_embd": checks.unset_or(checks.positive),
+    "n_head": checks.unset_or(checks.positive),
+}
+
+
+@dataclass
+class NoKnobs:
+    """The knobs of a family that has none beyond the shared ones."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    kind: str  # model.kind in a recipe
+    title: str  # in messages and tables
+    task: str  # the task it trains: a name in zoa_train.tasks.TASKS
+    # (the recipe's model section, its shape (`shape`; empty without presets or with init_from), ModelInputs)
+    # -> the model: fresh, or the weights of model.init_from
+    build: Callable[[Any, dict, ModelInputs], torch.nn.Module]
+    # model.size -> values of shape knobs (the first: the default size); overrides apply on top
+    presets: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    custom_needs: tuple[str, ...] = ("n_layer", "n_embd", "n_head")  # what model.size custom must set
+    # rules on the model section and its shape (`shape`; empty without presets or with init_from), across
+    # values; UserError of one sentence
+    check: Callable[[Any, dict], None] | None = None
+    knobs: type = NoKnobs  # a dataclass of its own keys in the model section, with defaults
+    checks: Mapping[str, Check] = field(default_factory=dict)  # knob -> constraint
+    tokenizer: str | None = None  # the tokenizer family trained when data.tokenizer is unset (zoa_train/data/tokenizer.py)
+    # config.model_type of the Hugging Face directories that hold this family; ANY_CAUSAL_LM: any other
+    # that transformers' AutoModelForCausalLM loads
+    hf_model_types: tuple[str, ...] = ()
+    evaluations: tuple[str, ...] = ()  # the `zoa-train eval` commands that accept it
+
+    def shape(self, cfg) -> dict:
+        """The preset `cfg.size` names with cfg's set values over it ("custom": cfg's alone, each of
+        `custom_needs` given); UserError of one sentence for an unknown size or an impossible shape."""
+        size = cfg.size or next(iter(self.presets))
+        if size == "custom":
+            missing = [key for key in self.custom_needs if getattr(cfg, key) is None]
+            if missing:
+                raise UserError(f"model.size custom needs {_and(['model.' + key for key in self.custom_needs])}.")
+            base = {}
+        elif size in self.presets:
+            base = self.presets[size]
+        else:
+            raise UserError(f"model.size {size!r} is not a {self.kind} preset; choose one of {', '.join(self.presets)} or custom.")
+        keys = [*self.presets[next(iter(self.presets))], *self.custom_needs]
+        return {key: getattr(cfg, key) if getattr(cfg, key) is not None else base.get(key) for key in dict.fromkeys(keys)}
+
+    def shape_of(self, cfg) -> dict:
+        """`shape(cfg)`, or {} for a family without presets or a model from init_from (its own shape)."""
+        return self.shape(cfg) if self.presets and not cfg.init_from else {}
+
+
+def _and(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
+
+
+_SPECS: dict[str, ModelSpec] = {}
+
+
+def register(spec: ModelSpec) -> ModelSpec:
+    """Add a model family. Its knobs join the model section of every recipe, so a knob of the same name
+    as another family's must mean the same (type and default), and none may be a shared one."""
+    if not dataclasses.is_dataclass(spec.knobs):
+        raise TypeError(f"the knobs of model family {spec.kind!r} must be a dataclass")
+    if _SPECS.get(spec.kind, spec) is not spec:
+        raise ValueError(f"a model family named {spec.kind!r} is registered already")
+    known = {f.name: (f.type, f.default) for f in knob_fields()}
+    own = {f.name for f in dataclasses.fields(spec.knobs)}
+    for f in dataclasses.fields(spec.knobs):
+        if f.name in ("kind", *(s.name for s in dataclasses.fields(SharedKnobs))):
+            raise ValueError(f"model family {spec.kind!r}: its knob {f.name} is a key every family has already")
+        if f.name in known and known[f.name] != (f.type, f.default):
+            raise ValueError(f"model family {spec.kind!r}: knob {f.name} has another type or default than another family's")
+    shared = {f.name for f in dataclasses.fields(SharedKnobs)}
+    unknown = (set(spec.checks) | {k for preset in spec.presets.values() for k in preset} | set(spec.custom_needs)) - own - shared
+    if unknown:
+        raise ValueError(f"model family {spec.kind!r} names knobs it does not have: {', '.join(sorted(unknown))}")
+    _SPECS[spec.kind] = spec
+    return spec
+
+
+def names() -> tuple[str, ...]:
+    """The registered model kinds, in the order they were registered."""
+    return tuple(_SPECS)
+
+
+def get(kind: str) -> ModelSpec:
+    try:
+        return _SPECS[kind]
+    except KeyError:
+        raise UserError(f"unknown model kind {kind!r}; the registered ones are {', '.join(_SPECS)}.") from None
+
+
+def find(kind: str) -> ModelSpec | None:
+    """The spec of `kind`, or None (e.g. a run of a family whose module this process has not imported)."""
+    return _SPECS.get(kind)
+
+
+ANY_CAUSAL_LM = "*"
+
+
+def of_hf_model_type(model_type: str) -> ModelSpec | None:
+    """The family whose Hugging Face directories have config.model_type `model_type` (one that names
+    it, else one that takes ANY_CAUSAL_LM of a model type transformers has a causal LM for), or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    named = [spec for spec in _SPECS.values() if model_type in spec.hf_model_types]
+    catch_all = [spec for spec in _SPECS.values() if ANY_CAUSAL_LM in spec.hf_model_types and model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES]
+    return next(iter(named + catch_all), None)
+
+
+def accepting(evaluation: str) -> list[ModelSpec]:
+    """The families an evaluation (`eval wikitext`, ...) accepts."""
+    return [spec for spec in _SPECS.values() if evaluation in spec.evaluations]
+
+
+def create(section, inputs: ModelInputs) -> torch.nn.Module:
+    """The model a recipe's model section names (timm's create_model, by recipe), for what the data says."""
+    spec = get(section.kind)
+    return spec.build(section, spec.shape_of(section), inputs)
+
+
+def knob_fields() -> list[dataclasses.Field]:
+    """Every registered family's own knobs, each once, in registration order."""
+    seen: dict[str, dataclasses.Field] = {}
+    for spec in _SPECS.values():
+        for f in dataclasses.fields(spec.knobs):
+            seen.setdefault(f.name, f)
+    return list(seen.values())
+
+
+def check_section(section, origin: str) -> None:
+    """The family's rules on a recipe's model section: its shape (preset, custom's keys, the family's
+    own rules; not with init_from, which brings the pretrained model's own shape), and no other
+    family's knob set away from its default."""
+    spec = get(section.kind)
+    own = {f.name for f in dataclasses.fields(spec.knobs)}
+    for f in knob_fields():
+        if f.name not in own and getattr(section, f.name) != f.default:
+            owners = _and([s.title for s in _SPECS.values() if f.name in {g.name for g in dataclasses.fields(s.knobs)}])
+            raise UserError(f"{origin}: model.{f.name} is a {owners} setting; {section.kind} has none, so leave it unset.")
+    try:
+        shape = spec.shape_of(section)
+        if spec.check is not None:
+            spec.check(section, shape)
+    except UserError as e:
+        raise UserError(f"{origin}: {e}") from None
+
+
+# ---- the built-in families ------------------------------------------------------------------------
+
+
+def heads_divide_width(cfg, shape: dict) -> None:
+    if shape and shape["n_embd"] % shape["n_head"]:
+        raise UserError(f"model.n_embd {shape['n_embd']} must be divisible by model.n_head {shape['n_head']}.")
+
+
+# GPT-2 117M/medium/large/xl (Radford et al. 2019, Table 2; the released configs): 12/24/36/48 layers of
+# 768/1024/1280/1600 with 12/16/20/25 heads, context 1024.
+GPT2_PRESETS = {
+    "117M": {"n_layer": 12, "n_embd": 768, "n_head": 12},
+    "small": {"n_layer": 12, "n_embd": 768, "n_head": 12},
+    "medium": {"n_layer": 24, "n_embd": 1024, "n_head": 16},
+    "large": {"n_layer": 36, "n_embd": 1280, "n_head": 20},
+    "xl": {"n_layer": 48, "n_embd": 1600, "n_head": 25},
+}
+LANGUAGE_EVALUATIONS = ("wikitext", "lambada")
+
+register(
+    ModelSpec(
+        "gpt2",
+        "GPT-2",
+        "causal_lm",
+        builders.build_gpt2,
+        GPT2_PRESETS,
+        check=heads_divide_width,
+        tokenizer="gpt2",
+        hf_model_types=("gpt2",),
+        evaluations=LANGUAGE_EVALUATIONS,
+    )
+)
+
+
+@dataclass
+class BertKnobs:
+    next_sentence: bool = False  # add the next-sentence head (BertForPreTraining) and train on sentence pairs
+
+
+# BERT base/large (Devlin et al. 2019): 12/24 layers of 768/1024 with 12/16 heads, feed-forward 4x.
+register(
+    ModelSpec(
+        "bert",
+        "BERT",
+        "masked_lm",
+        builders.build_bert,
+        {"base": {"n_layer": 12, "n_embd": 768, "n_head": 12}, "large": {"n_layer": 24, "n_embd": 1024, "n_head": 16}},
+        check=heads_divide_width,
+        knobs=BertKnobs,
+        tokenizer="bert",
+        hf_model_types=("bert",),
+        evaluations=("glue",),
+    )
+)
+
+for _depth in (18, 34, 50):
+    register(ModelSpec(f"resnet{_depth}", f"ResNet-{_depth}", "image_classification", builders.build_resnet, evaluations=("imagenet",)))
+
+
+@dataclass
+class LlamaKnobs:
+    n_kv_head: int | None = None  # key/value heads (grouped-query attention; n_head: plain multi-head); default the preset's
+    ffn_size: int | None = None  # the SwiGLU hidden width; default the preset's
+    tie_embeddings: bool | None = None  # the output layer shares the token embedding; default the preset's (custom: untied)
+    rope_theta: float | None = None  # the rotary base; default the preset's (custom: 10,000)
+    context: int | None = None  # the longest input (max_position_embeddings), at least data.seq_len; default the preset's (custom: 2,048)
+
+
+def llama_shape_rules(cfg, shape: dict) -> None:
+    if not shape:
+        return
+    heads_divide_width(cfg, shape)
+    kv = shape["n_kv_head"] or shape["n_head"]
+    if shape["n_head"] % kv:
+        raise UserError(f"model.n_head {shape['n_head']} must be divisible by model.n_kv_head {kv}.")
+    if (shape["n_embd"] // shape["n_head"]) % 2:
+        raise UserError(f"model.n_embd / model.n_head must be even for rotary positions, not {shape['n_embd']} / {shape['n_head']}.")
+
+
+# Llama-style decoders: RMSNorm, rotary positions, SwiGLU, grouped-query attention (transformers' LlamaForCausalLM).
+LLAMA_PRESETS = {
+    # CPU-sized, gpt2_tiny's width and depth (0.92M parameters with its 4,096-token vocabulary, tied): 2 query
+    # heads per key/value head and the SwiGLU width 3 x n_embd (Llama's 8/3 x n_embd rounded up to 128).
+    "tiny": {"n_layer": 2, "n_embd": 128, "n_head": 4, "n_kv_head": 2, "ffn_size": 384, "tie_embeddings": True, "rope_theta": 10000.0, "context": 2048},
+    # MobileLLM-125M (Liu et al. 2024, Table 9) = SmolLM-135M's config.json: deep and thin, 3 query heads per
+    # key/value head, tied embeddings; 125M parameters with a 32,000-token vocabulary.
+    "125M": {"n_layer": 30, "n_embd": 576, "n_head": 9, "n_kv_head": 3, "ffn_size": 1536, "tie_embeddings": True, "rope_theta": 10000.0, "context": 2048},
+    # Llama 3.2 1B's config.json (1.24B parameters with its 128,256-token vocabulary). Its 128K context is rope
+    # scaling added after pre-training at 8K; this preset is the 8K pre-training shape.
+    "1B": {"n_layer": 16, "n_embd": 2048, "n_head": 32, "n_kv_head": 8, "ffn_size": 8192, "tie_embeddings": True, "rope_theta": 500000.0, "context": 8192},
+    # Llama 3 8B's config.json (Meta 2024): 8.03B parameters with its 128,256-token vocabulary, untied.
+    "8B": {"n_layer": 32, "n_embd": 4096, "n_head": 32, "n_kv_head": 8, "ffn_size": 14336, "tie_embeddings": False, "rope_theta": 500000.0, "context": 8192},
+}
+
+register(
+    ModelSpec(
+        "llama",
+        "Llama",
+        "causal_lm",
+        builders.build_llama,
+        LLAMA_PRESETS,
+        custom_needs=("n_layer", "n_embd", "n_head", "ffn_size"),
+        check=llama_shape_rules,
+        knobs=LlamaKnobs,
+        checks={
+            "n_kv_head": checks.unset_or(checks.positive),
+            "ffn_size": checks.unset_or(checks.positive),
+            "rope_theta": checks.unset_or(checks.positive),
+            "context": checks.unset_or(checks.positive),
+        },
+        tokenizer="gpt2",  # byte-level BPE with one end-of-text token, as Llama 3's
+        hf_model_types=("llama",),
+        evaluations=LANGUAGE_EVALUATIONS,
+    )
+)
+
+
+@dataclass
+class HFCausalLMKnobs:
+    # hf_causal_lm: the Hugging Face config of the architecture to build fresh (a directory holding
+    # config.json, or a hub name when online), e.g. a Qwen2 or Mistral config; its sizes are the model's
+    hf_config: str | None = None
+
+
+def hf_causal_lm_rules(cfg, shape: dict) -> None:
+    if not cfg.hf_config and not cfg.init_from:
+        raise UserError("model.kind hf_causal_lm needs model.hf_config (a Hugging Face config: a directory with config.json) or model.init_from.")
+    for key in ("size", "n_layer", "n_embd", "n_head"):
+        if getattr(cfg, key) is not None:
+            raise UserError(f"model.{key} has no meaning for hf_causal_lm, whose sizes are its config's; leave it unset.")
+
+
+# Any other causal LM transformers has (Qwen2, Mistral, Phi, Gemma, OLMo, ...), from its config: one
+# generic entry rather than one per architecture, so a new architecture needs no code; a family that
+# wants presets, knobs or rules of its own (as llama) gets an entry of its own.
+register(
+    ModelSpec(
+        "hf_causal_lm",
+        "Hugging Face causal LM",
+        "causal_lm",
+        builders.build_hf_causal_lm,
+        check=hf_causal_lm_rules,
+        knobs=HFCausalLMKnobs,
+        tokenizer="gpt2",
+        hf_model_types=(ANY_CAUSAL_LM,),
+        evaluations=LANGUAGE_EVALUATIONS,
+    )
+)
