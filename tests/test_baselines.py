@@ -13,6 +13,7 @@ from reference import ExactAllReduce
 from test_run import metrics, short, zoa
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from zoa_train.comm import ClusterCollective
 from zoa_train.optim import registry
 from zoa_train.optim.diloco import OuterSchedule
 
@@ -40,10 +41,13 @@ def flat_parameters(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _train(rank, world_size, name, knobs, steps, lr_at=None, exact=False):
+def _train(rank, world_size, name, knobs, steps, lr_at=None, collective=None):
     model = tiny_gpt2()
-    collective = {"collective": ExactAllReduce} if exact else {}  # else the default, OneBitAllReduce
-    opt = registry.create(section(name, **knobs), model, torch.device("cpu"), world_size, **collective)
+    # the run's collective (what outer_collective onebit takes): the default OneBitAllReduce, the exact
+    # one of tests/reference.py, or the node-aware one over nodes of 2 ranks
+    factories = {"exact": lambda: ExactAllReduce, "nodes of 2": lambda: ClusterCollective("hierarchical", ranks_per_node=2)}
+    chosen = {"collective": factories[collective]()} if collective else {}
+    opt = registry.create(section(name, **knobs), model, torch.device("cpu"), world_size, **chosen)
     record = []
     for t in range(steps):
         if lr_at is not None:
@@ -106,7 +110,7 @@ def test_diloco_syncs_every_h_steps_and_ranks_agree_only_then():
 def test_diloco_outer_sync_through_an_exact_collective_is_the_full_precision_one_bit_for_bit():
     today = run_ranks(_train, 2, "diloco", dict(sync_every=3), 7)[0][0]
     # outer_collective onebit takes the run's collective, here the exact one of tests/reference.py
-    exact = run_ranks(_train, 2, "diloco", dict(sync_every=3, outer_collective="onebit"), 7, None, True)[0][0]
+    exact = run_ranks(_train, 2, "diloco", dict(sync_every=3, outer_collective="onebit"), 7, None, "exact")[0][0]
     assert [r["kind"] for r in exact] == [r["kind"] for r in today] and [r["identical"] for r in exact] == [r["identical"] for r in today]
     assert all(torch.equal(a["after"], b["after"]) for a, b in zip(today, exact))
 
@@ -131,6 +135,17 @@ def test_diloco_with_a_compressed_outer_sync_keeps_ranks_identical_after_each_ou
         wire = topk_wire(groups, 0.05)
         assert record[2]["elements"] == {"topk_allreduce": wire.chunks * wire.k, "topk_scales": 2 * wire.chunks}
         assert record[-1]["bits"] == pytest.approx(2 * wire.payload_bits / num_params / 7)
+
+
+def test_diloco_with_the_1bit_outer_sync_is_node_aware_on_nodes():
+    ranks = run_ranks(_train, 4, "diloco", dict(sync_every=2, outer_collective="onebit"), 4, None, "nodes of 2")
+    record, num_params = ranks[0]
+    assert [r["identical"] for r in record] == [False, True, False, True]
+    assert all(torch.equal(a["after"], b["after"]) for rank in ranks[1:] for a, b in zip(record, rank[0]))
+    # Between the 2 nodes a rank sends its shard in 1 bit (the two ranks of a node: the model once);
+    # the reduce-scatter and all-gather inside the node move the whole model in fp32.
+    assert ranks[0][0][1]["elements"]["onebit_allreduce"] + ranks[1][0][1]["elements"]["onebit_allreduce"] == num_params
+    assert record[1]["elements"]["intra_allreduce_float32"] == num_params
 
 
 def first_step_only(t: int) -> float:
