@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from zoa_train import checks
 from zoa_train.checks import Check
-from zoa_train.comm import CollectiveFactory, OneBitAllReduce
-from zoa_train.comm.topk import TopKAllReduce, topk_wire
+from zoa_train.comm import CollectiveFactory, OneBitAllReduce, TopKAllReduce
+from zoa_train.comm.topk import topk_wire
 from zoa_train.errors import UserError
 from zoa_train.optim.adam import DataParallelAdam
 from zoa_train.optim.diloco import DiLoCo, OuterSchedule
