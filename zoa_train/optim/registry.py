@@ -490,7 +490,7 @@ class OuterCollective:
     """A collective DiLoCo's outer sync can average its pseudo-gradient with (optimizer.outer_collective)."""
 
     build: Callable[[BuildContext], CollectiveFactory | None]  # the factory DiLoCo takes; None: a full-precision allreduce
-    plan: Callable[[PlanContext, int], dict]  # PlanCounts fields for `calls` averages of the whole model
+    plan: Callable[[PlanContext, int], dict]  # PlanCounts fields for `calls` outer averages (of a fragment each)
 
 
 def _topk_factory(ctx: BuildContext) -> CollectiveFactory:
@@ -506,7 +506,7 @@ def _plan_topk(ctx: PlanContext, calls: int) -> dict:
 
 
 OUTER_COLLECTIVES: dict[str, OuterCollective] = {
-    "full": OuterCollective(lambda ctx: None, lambda ctx, calls: {"other_allreduces": (Allreduces(calls, ctx.num_params),)}),
+    "full": OuterCollective(lambda ctx: None, lambda ctx, calls: {"other_allreduces": (Allreduces(calls, -(-ctx.num_params // ctx.knobs.fragments)),)}),
     # the 1-bit optimizers' collective: the recipe's comm section, so node-aware where the nodes are
     "onebit": OuterCollective(lambda ctx: ctx.collective, lambda ctx, calls: {"onebit_allreduces": calls}),
     "topk": OuterCollective(_topk_factory, _plan_topk),  # SparseLoCo's compressor, zoa_train/comm/topk.py
@@ -551,7 +551,8 @@ MIN_OUTER_STEPS = 8
 
 
 def _plan_diloco(ctx: PlanContext) -> PlanCounts:
-    """One allreduce of a fragment (1/F of the model, planned equal) at each fragment's outer step."""
+    """One average of a fragment (1/F of the model, planned equal) at each fragment's outer step, by
+    the outer collective (compressed ones: fragments is 1)."""
     k = ctx.knobs
     try:
         schedule = OuterSchedule(k.sync_every, k.fragments)
@@ -569,9 +570,7 @@ def _plan_diloco(ctx: PlanContext) -> PlanCounts:
             f"optimizer.sync_every ({k.sync_every:,}) leaves this run of {ctx.steps:,} steps {periods} outer step(s), too few to train "
             f"(2 ended 8% above Adam on gpt2_tiny; bert_tiny reached Adam's loss with 9, docs/results.md): set sync_every to {max(1, ctx.steps // MIN_OUTER_STEPS):,} or less."
         )
-    sends = {"other_allreduces": (Allreduces(outer, -(-ctx.num_params // k.fragments)),)}  # full precision, by fragment
-    if k.outer_collective != "full":  # fragments is 1
-        sends = OUTER_COLLECTIVES[k.outer_collective].plan(ctx, outer)
+    sends = OUTER_COLLECTIVES[k.outer_collective].plan(ctx, outer)
     return PlanCounts(
         **{"fp_allreduces": 0, "onebit_allreduces": 0, **sends},
         rounds=rounds,
