@@ -151,3 +151,44 @@ def zero_one_counts_reference(steps, lr, var_freeze_step, kappa, policy, clip=16
             syncs, since = syncs + 1, 0
     updates = sum(1 for k in variance if k < steps)
     return {"variance_updates": updates, "onebit_allreduces": syncs - updates, "rounds": syncs}
+
+
+def topk_allreduce_reference(inputs, errors, real, chunk, k, decay):
+    """Emulate one TopKAllReduce call on n ranks, element by element (zoa_train/comm/topk.py's module
+    docstring is the specification). `inputs` and `errors` are each rank's fp32 buffers in the layout,
+    `real` marks their non-padding elements, chunks are consecutive runs of `chunk` elements. Returns
+    (average, new errors, each rank's message as (levels: a list of (lo, hi) per chunk, slot bytes))."""
+    width = max(1, (chunk - 1).bit_length()) + 2
+    decoded, messages, new_errors = [], [], []
+    for x, e in zip(inputs, errors):
+        y = e + x
+        mine = torch.zeros_like(y)
+        levels, bits = [], []
+        for start in range(0, y.numel(), chunk):
+            here = range(start, start + chunk)
+            ranked = sorted(here, key=lambda i: (0, -abs(float(y[i])), i) if real[i] else (1, 0.0, i))
+            chosen = sorted(ranked[:k])
+            size = {i: abs(float(y[i])) if real[i] else 0.0 for i in chosen}
+            counted = [i for i in chosen if real[i]]
+            mean = sum(size[i] for i in counted) / max(len(counted), 1)
+            big = {i: size[i] >= mean for i in chosen}
+            small_ones, big_ones = [i for i in counted if not big[i]], [i for i in counted if big[i]]
+            lo = sum(size[i] for i in small_ones) / max(len(small_ones), 1)
+            hi = sum(size[i] for i in big_ones) / max(len(big_ones), 1)
+            lo, hi = float(torch.tensor(lo, dtype=torch.float32)), float(torch.tensor(hi, dtype=torch.float32))  # sent as fp32
+            levels.append((lo, hi))
+            for i in chosen:
+                negative = float(y[i]) < 0
+                slot = (i - start) | ((2 * negative + big[i]) << (width - 2))
+                bits += [(slot >> b) & 1 for b in range(width)]
+                if real[i]:
+                    mine[i] = (-1.0 if negative else 1.0) * (hi if big[i] else lo)
+        bits += [0] * (-len(bits) % 8)
+        slot_bytes = bytes(sum(bits[j + b] << b for b in range(8)) for j in range(0, len(bits), 8))
+        messages.append((levels, slot_bytes))
+        decoded.append(mine)
+        new_errors.append((y - mine) * decay)
+    total = decoded[0].clone()
+    for d in decoded[1:]:
+        total += d
+    return total / len(inputs), new_errors, messages

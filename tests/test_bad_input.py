@@ -184,6 +184,15 @@ CASES = {
         "cannot create data.cache_dir",
         False,
     ),
+    # issue 40: DiLoCo's outer collective and the top-k compressor's settings, refused at recipe load
+    "unknown outer collective": (recipe_with("optimizer.outer_collective=twobit"), "optimizer.outer_collective must be one of full, onebit, topk", False),
+    "compressed outer sync in fragments": (
+        recipe_with("optimizer.name=diloco", "optimizer.outer_collective=onebit", "optimizer.fragments=2"),
+        "optimizer.outer_collective onebit averages the whole model at once, so optimizer.fragments must be 1, not 2",
+        False,
+    ),
+    "top-k density of zero": (recipe_with("optimizer.topk_density=0"), "optimizer.topk_density must be in (0, 1], not 0.0", False),
+    "top-k error decay above 1": (recipe_with("optimizer.topk_error_decay=1.5"), "optimizer.topk_error_decay must be in [0, 1], not 1.5", False),
     # Unsupported combinations (issue 12, item 8): there is no key for splitting the model; asking for it names the reason.
     "ZeRO stage": (recipe_with("train.zero_stage=2"), "unknown key train.zero_stage; zoa-train is data-parallel only", False),
     "FSDP": (recipe_with("train.fsdp=true"), "unknown key train.fsdp; zoa-train is data-parallel only", False),

@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_harness import run_ranks
+from reference import ExactAllReduce
 from test_run import metrics, short, zoa
 from transformers import GPT2Config, GPT2LMHeadModel
 
+from zoa_train.comm import ClusterCollective
 from zoa_train.optim import registry
 from zoa_train.optim.diloco import OuterSchedule
 
@@ -39,9 +41,13 @@ def flat_parameters(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _train(rank, world_size, name, knobs, steps, lr_at=None):
+def _train(rank, world_size, name, knobs, steps, lr_at=None, collective=None):
     model = tiny_gpt2()
-    opt = registry.create(section(name, **knobs), model, torch.device("cpu"), world_size)
+    # the run's collective (what outer_collective onebit takes): the default OneBitAllReduce, the exact
+    # one of tests/reference.py, or the node-aware one over nodes of 2 ranks
+    factories = {"exact": lambda: ExactAllReduce, "nodes of 2": lambda: ClusterCollective("hierarchical", ranks_per_node=2)}
+    chosen = {"collective": factories[collective]()} if collective else {}
+    opt = registry.create(section(name, **knobs), model, torch.device("cpu"), world_size, **chosen)
     record = []
     for t in range(steps):
         if lr_at is not None:
@@ -101,6 +107,45 @@ def test_diloco_syncs_every_h_steps_and_ranks_agree_only_then():
     assert record[-1]["bits"] == pytest.approx(2 * 32 / 7)
 
 
+def test_diloco_outer_sync_through_an_exact_collective_is_the_full_precision_one_bit_for_bit():
+    today = run_ranks(_train, 2, "diloco", dict(sync_every=3), 7)[0][0]
+    # outer_collective onebit takes the run's collective, here the exact one of tests/reference.py
+    exact = run_ranks(_train, 2, "diloco", dict(sync_every=3, outer_collective="onebit"), 7, None, "exact")[0][0]
+    assert [r["kind"] for r in exact] == [r["kind"] for r in today] and [r["identical"] for r in exact] == [r["identical"] for r in today]
+    assert all(torch.equal(a["after"], b["after"]) for a, b in zip(today, exact))
+
+
+@pytest.mark.parametrize("outer, world_size", [("onebit", 3), ("topk", 2)])
+def test_diloco_with_a_compressed_outer_sync_keeps_ranks_identical_after_each_outer_step(outer, world_size):
+    from zoa_train.comm.topk import topk_wire
+
+    knobs = dict(sync_every=3, outer_collective=outer, topk_density=0.05)
+    ranks = run_ranks(_train, world_size, "diloco", knobs, 7)
+    record, num_params = ranks[0]
+    assert "".join(r["kind"] for r in record) == "llollol"
+    assert [r["identical"] for r in record] == [False, False, True, False, False, True, False]
+    exact = run_ranks(_train, world_size, "diloco", dict(sync_every=3), 3)[0][0]
+    assert not torch.equal(record[2]["after"], exact[2]["after"])  # the average was compressed
+    if outer == "onebit":  # one bit per element and outer step
+        assert record[2]["elements"] == {"onebit_allreduce": num_params} and record[-1]["bits"] == pytest.approx(2 / 7)
+    else:  # in two groups (decay, no decay), each in chunks of 4,096
+        model = tiny_gpt2()
+        groups = [[p.numel() for p in model.parameters() if (p.ndim >= 2) == decay] for decay in (True, False)]
+        wire = topk_wire(groups, 0.05)
+        assert record[2]["elements"] == {"topk_allreduce": wire.chunks * wire.k, "topk_scales": 2 * wire.chunks}
+        assert record[-1]["bits"] == pytest.approx(2 * wire.payload_bits / num_params / 7)
+
+
+def test_diloco_with_the_1bit_outer_sync_is_node_aware_on_nodes():
+    ranks = run_ranks(_train, 4, "diloco", dict(sync_every=2, outer_collective="onebit"), 4, None, "nodes of 2")
+    record, num_params = ranks[0]
+    assert [r["identical"] for r in record] == [False, True, False, True]  # all 4 ranks after each outer step
+    # Between the 2 nodes a rank sends its shard in 1 bit (the two ranks of a node: the model once);
+    # the reduce-scatter and all-gather inside the node move the whole model in fp32.
+    assert ranks[0][0][1]["elements"]["onebit_allreduce"] + ranks[1][0][1]["elements"]["onebit_allreduce"] == num_params
+    assert record[1]["elements"]["intra_allreduce_float32"] == num_params
+
+
 def first_step_only(t: int) -> float:
     return 3e-3 if t == 0 else 0.0
 
@@ -143,6 +188,9 @@ def test_diloco_refuses_a_fragment_without_parameters():
         ("powersgd", ("optimizer.freeze_step=2", "optimizer.powersgd_rank=2")),
         # The checkpoint at step 4 lies inside a period of H = 3 (ranks' parameters differ).
         ("diloco", ("optimizer.sync_every=3",)),
+        # ... with the error of the outer step at step 3 carried to the one at step 6.
+        ("diloco", ("optimizer.sync_every=3", "optimizer.outer_collective=onebit")),
+        ("diloco", ("optimizer.sync_every=3", "optimizer.outer_collective=topk", "optimizer.outer_momentum=0", "optimizer.topk_error_decay=0.9")),
     ],
 )
 def test_baseline_resumes_exactly(tmp_path, cache_dir, name, knobs):
@@ -189,6 +237,23 @@ def test_plan_counts_the_baselines():
     assert powersgd["rounds"] == 100 and powersgd["bytes_per_rank"] == 10 * 4 * n + 90 * 4 * 1792  # ring on 2 ranks: each sends the buffer once
     assert diloco["rounds"] == diloco["syncs"] == diloco["outer_steps"] == 12
     assert diloco["bits_per_param"] == pytest.approx(12 * 32 / 100) and diloco["bytes_per_rank"] == 12 * 4 * n
+
+
+def test_plan_counts_a_compressed_outer_sync():
+    from zoa_train.comm.topk import topk_wire
+    from zoa_train.optim.lr_schedules import LRSchedule
+    from zoa_train.optim.plan import Cluster, flat_onebit_cost, plan
+
+    shapes = tuple(tuple(p.shape) for p in tiny_gpt2().parameters())
+    n = sum(math.prod(s) for s in shapes)
+    common = dict(bandwidth_bytes_per_s=1e9, latency_s=0.0, param_shapes=shapes, sync_every=8, world_size=3)
+    onebit = plan(100, LRSchedule("constant", lr=1e-3), num_params=n, outer_collective="onebit", **common)["diloco"]
+    assert onebit["onebit_allreduces"] == onebit["rounds"] == 12 and onebit["bits_per_param"] == pytest.approx(12 / 100)
+    assert onebit["bytes_per_rank"] == 12 * flat_onebit_cost(n, Cluster(3)).bytes_per_rank
+    topk = plan(100, LRSchedule("constant", lr=1e-3), num_params=n, outer_collective="topk", topk_density=0.03, **common)["diloco"]
+    wire = topk_wire([math.prod(s) for s in shapes], 0.03)
+    assert topk["bits_per_param"] == pytest.approx(12 * wire.payload_bits / n / 100)
+    assert topk["bytes_per_rank"] == 12 * 2 * wire.message_bytes and topk["collective_calls"] == 12  # each rank's message to the 2 others
 
 
 def _powersgd_across_layouts(rank, world_size, path, bucket_cap_mb, load):

@@ -376,6 +376,10 @@ def _check(recipe: Recipe, origin: str) -> None:
         problem = check(value)
         if problem:
             raise UserError(f"{origin}: {key} {problem}, not {list(value) if isinstance(value, tuple) else value}.")
+    spec = registry.get(o.name)
+    problem = spec.check_rule(spec.knobs_from(o))  # a rule across the optimizer's own knobs
+    if problem:
+        raise UserError(f"{origin}: {problem}.")
     if recipe.schedule.name == "cosine" and recipe.schedule.min_lr > o.lr:
         raise UserError(f"{origin}: schedule.min_lr {recipe.schedule.min_lr} is above optimizer.lr {o.lr}; the cosine schedule decays from lr down to min_lr.")
     final_lr = recipe.lr_schedule()(recipe.train.steps - 1)

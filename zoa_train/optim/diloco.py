@@ -10,6 +10,12 @@ SGD, here local AdamW). With `fragments` F > 1 (Streaming DiLoCo) the parameters
 fragments of about equal size in model order, and fragment f has its outer step at the steps
 t = floor(H (f + 1) / F) mod H of each period: the same bytes per period, in F smaller rounds.
 
+With `outer_collective` (a collective factory, zoa_train/comm/protocol.py) the pseudo-gradient is
+averaged by that collective instead: the 1-bit allreduce (flat or node-aware) or the top-k one
+(zoa_train/comm/topk.py), each carrying its error feedback from one outer step to the next. The flat
+state is then kept in the collective's layouts, and its error buffers are this rank's own state (in
+the rank's checkpoint file); it averages the whole model at once, so fragments must be 1.
+
 Why not torchft's DiLoCo: it runs only under a torchft Manager, which needs a Lighthouse server
 process beside the job and a quorum with it at every outer step, and its own reconfigurable process
 groups; zoa-train's launchers (local spawn, torchrun, srun) start none of that, and its fault
@@ -21,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from zoa_train.comm import allreduce
+from zoa_train.comm import CollectiveFactory, allreduce
 from zoa_train.optim.adam import apply_adamw
 from zoa_train.optim.base import DataParallelOptimizer
 from zoa_train.step_kinds import LOCAL, OUTER
@@ -68,10 +74,12 @@ class DiLoCo(DataParallelOptimizer):
     matrices only as the recipes group them), bias_correction=True (the shared knobs of every
     optimizer); sync_every=500 (H, the paper's), outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True
     (the paper's), fragments=1 (Streaming DiLoCo above 1); process_group, allreduce_dtype (the
-    pseudo-gradient's on the wire).
+    pseudo-gradient's on the wire); outer_collective=None (a full-precision allreduce; else the
+    collective factory that averages the pseudo-gradient, with fragments 1).
     State: per group flat fp32 inner m and v (each rank's own), the anchor (the parameters at the last
     outer step) and the outer momentum: 4 fp32 copies of the model, and between outer steps each
-    rank's own parameters (the trainer saves them in the rank's checkpoint file).
+    rank's own parameters (the trainer saves them in the rank's checkpoint file). With an outer
+    collective, also a pseudo-gradient buffer and the collective's error buffers.
     """
 
     _local_buffers = frozenset({"exp_avg", "exp_avg_sq"})  # the inner moments: never averaged
@@ -91,7 +99,10 @@ class DiLoCo(DataParallelOptimizer):
         fragments: int = 1,
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
+        outer_collective: CollectiveFactory | None = None,
     ):
+        if outer_collective is not None and fragments != 1:
+            raise ValueError(f"an outer collective averages the whole model at once, so fragments must be 1, got {fragments}")
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be positive, got {outer_lr}")
         if not 0 <= outer_momentum < 1:
@@ -99,7 +110,7 @@ class DiLoCo(DataParallelOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         self.schedule = OuterSchedule(sync_every, fragments)
         self.outer_lr, self.outer_momentum, self.outer_nesterov = outer_lr, outer_momentum, outer_nesterov
-        super().__init__(params, defaults, process_group, allreduce_dtype)
+        super().__init__(params, defaults, process_group, allreduce_dtype, outer_collective)
 
     def _allocate_state(self) -> None:
         for flat, buffers in zip(self._flat, self._buffers):
@@ -108,6 +119,9 @@ class DiLoCo(DataParallelOptimizer):
             buffers["anchor"] = flat.keep(flat.flatten([p.detach() for p in flat.params]))
             buffers["outer_momentum"] = flat.keep(flat.zeros())
         self._fragments = self._cut(self.schedule.fragments)
+        if self.collective is not None:  # the pseudo-gradient in the collective's layouts (padding stays zero)
+            self._pseudo_gradients = [flat.keep(flat.zeros()) for flat in self._flat]
+            self._pseudo_gradient_views = [v for flat, g in zip(self._flat, self._pseudo_gradients) if flat.numel for v in flat.views(g)]
 
     def _cut(self, fragments: int) -> list[dict[str, list[torch.Tensor]]]:
         """Per fragment, the views of its parameters, anchor and outer momentum: consecutive parameters
@@ -189,10 +203,7 @@ class DiLoCo(DataParallelOptimizer):
         anchor; every rank ends on the same parameters of the fragment, which become its anchor."""
         fragment = self._fragments[f]
         params, anchor, momentum = fragment["params"], fragment["anchor"], fragment["momentum"]
-        deltas = torch._foreach_sub(anchor, params)
-        flat = torch.cat([d.reshape(-1) for d in deltas])
-        allreduce(flat, group=self.process_group, ledger=self.ledger, comm_dtype=self.allreduce_dtype)
-        deltas = [d.view_as(p) for d, p in zip(flat.split([p.numel() for p in params]), params)]
+        deltas = self._average_pseudo_gradient(params, anchor)
         update = deltas
         if self.outer_momentum:
             torch._foreach_mul_(momentum, self.outer_momentum)
@@ -201,3 +212,36 @@ class DiLoCo(DataParallelOptimizer):
         torch._foreach_add_(anchor, update, alpha=-self.outer_lr)
         torch._foreach_copy_(params, anchor)
         self.schedule.since[f] = 0
+
+    def _average_pseudo_gradient(self, params: list[torch.Tensor], anchor: list[torch.Tensor]) -> list[torch.Tensor]:
+        """anchor - params averaged over the ranks, shaped like `params`: in full precision
+        (allreduce_dtype), or by the outer collective (every parameter: fragments is 1 then)."""
+        if self.collective is None:
+            deltas = torch._foreach_sub(anchor, params)
+            flat = torch.cat([d.reshape(-1) for d in deltas])
+            allreduce(flat, group=self.process_group, ledger=self.ledger, comm_dtype=self.allreduce_dtype)
+            return [d.view_as(p) for d, p in zip(flat.split([p.numel() for p in params]), params)]
+        deltas = self._pseudo_gradient_views
+        torch._foreach_copy_(deltas, anchor)
+        torch._foreach_sub_(deltas, params)
+        self.collective.op(self._pseudo_gradients)  # in place; the compression error stays in the collective
+        return deltas
+
+    def _outer_sync(self) -> str:
+        """What averages the pseudo-gradient, as a checkpoint records it."""
+        return "a full-precision allreduce" if self.collective is None else type(self.collective).__name__
+
+    def shared_state_dict(self) -> dict:
+        state = super().shared_state_dict()
+        state["zoa"]["outer_sync"] = self._outer_sync()
+        return state
+
+    def load_state_dicts(self, shared: dict, rank: dict) -> None:
+        saved = shared.get("zoa") or {}
+        outer_sync = saved.get("outer_sync", "a full-precision allreduce")  # what a state saved before outer collectives used
+        if saved.get("optimizer") == type(self).__name__ and outer_sync != self._outer_sync():
+            raise ValueError(
+                f"the DiLoCo state was saved with its outer sync through {outer_sync} and this run's goes through "
+                f"{self._outer_sync()}; resume with the same optimizer.outer_collective"
+            )
+        super().load_state_dicts(shared, rank)

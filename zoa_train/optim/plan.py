@@ -127,6 +127,19 @@ def allreduce_cost(numel: int, element_size: int, cluster: Cluster, reduce_rate:
     return CallCost(volume, inter, cluster.phase(inter, (g - 1) * volume, 2 * (n - 1)) + sent / reduce_rate)
 
 
+def allgather_cost(segment: int, cluster: Cluster) -> CallCost:
+    """An all-gather in which every rank sends `segment` bytes: a ring on NCCL (n-1 segments over
+    every link of the ring), direct on Gloo (each rank's segment to every other rank)."""
+    n, g, nodes = cluster.world, cluster.ranks_per_node, cluster.nodes
+    if n == 1:
+        return CallCost(0, 0, 0.0)
+    if cluster.backend == "nccl":
+        inter, intra = (n - 1) * segment if nodes > 1 else 0, (g - 1) * (n - 1) * segment
+    else:
+        inter, intra = g * g * (nodes - 1) * segment, g * (g - 1) * segment
+    return CallCost((n - 1) * segment, inter, cluster.phase(inter, intra, n - 1))
+
+
 def flat_onebit_cost(numel: int, cluster: Cluster, compress_rate: float = math.inf) -> CallCost:
     n, g, nodes = cluster.world, cluster.ranks_per_node, cluster.nodes
     if n == 1:
@@ -134,12 +147,8 @@ def flat_onebit_cost(numel: int, cluster: Cluster, compress_rate: float = math.i
     segment = onebit_layout(numel, n).segment
     to_all_inter = g * g * (nodes - 1) * segment
     to_all = cluster.phase(to_all_inter, g * (g - 1) * segment, n - 1)
-    if cluster.backend == "nccl":  # ring all-gather: n-1 segments over every link of the ring
-        gather_inter, gather_intra = (n - 1) * segment if nodes > 1 else 0, (g - 1) * (n - 1) * segment
-    else:  # Gloo's all-gather sends each rank's segment to every other rank, as the all-to-all
-        gather_inter, gather_intra = g * g * (nodes - 1) * segment, g * (g - 1) * segment
-    gather = cluster.phase(gather_inter, gather_intra, n - 1)
-    return CallCost(2 * (n - 1) * segment, to_all_inter + gather_inter, to_all + gather + numel / compress_rate)
+    gather = allgather_cost(segment, cluster)  # of the server segments
+    return CallCost(2 * (n - 1) * segment, to_all_inter + gather.inter_bytes_per_node, to_all + gather.seconds + numel / compress_rate)
 
 
 def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf, reduce_rate: float = math.inf) -> CallCost:
@@ -200,6 +209,7 @@ def _summary(
     fp: CallCost,
     onebit: CallCost,
     part_cost: Callable[[int, int], CallCost],
+    gather_cost: Callable[[int], CallCost],
     allreduce_bits: int,
     world_size: int,
     compute_s: float | None,
@@ -207,21 +217,23 @@ def _summary(
     onebit_step_s: float | None = None,
 ) -> dict:
     """Totals of one optimizer from its counts of full-precision and 1-bit allreduces of the whole
-    model, and of its allreduces of parts (`part_cost(elements, element_size)` for each: none overlaps
-    backward)."""
+    model, of its allreduces of parts (`part_cost(elements, element_size)` for each) and of its
+    all-gathers (`gather_cost(message_bytes)`); none of the last two overlaps backward."""
     f, o = counts.fp_allreduces, counts.onebit_allreduces
     parts = [(a.calls, a.elements, a.bits or allreduce_bits) for a in counts.other_allreduces]
     part_costs = [(calls, part_cost(elements, bits // 8)) for calls, elements, bits in parts]
+    part_costs += [(a.calls, gather_cost(a.message_bytes)) for a in counts.allgathers]
     part_seconds = sum(calls * cost.seconds for calls, cost in part_costs)
+    part_bits = sum(c * e * b for c, e, b in parts) + sum(a.calls * a.bits for a in counts.allgathers)
     summary = {
         "steps": steps,
-        "bits_per_param": (f * allreduce_bits + o + sum(c * e * b for c, e, b in parts) / num_params) / steps if steps else 0.0,
+        "bits_per_param": (f * allreduce_bits + o + part_bits / num_params) / steps if steps else 0.0,
         "rounds": counts.rounds,
         "syncs": counts.syncs,
         "variance_updates": counts.variance_updates,
         "fp_allreduces": f,
         "onebit_allreduces": o,
-        "collective_calls": f + 2 * o + sum(c for c, _, _ in parts) if world_size > 1 else 0,
+        "collective_calls": f + 2 * o + sum(c for c, _ in part_costs) if world_size > 1 else 0,
         "bytes_per_rank": f * fp.bytes_per_rank + o * onebit.bytes_per_rank + sum(c * cost.bytes_per_rank for c, cost in part_costs),
         "intra_bytes_per_rank": f * fp.intra_bytes_per_rank + o * onebit.intra_bytes_per_rank,
         "inter_bytes_per_node": f * fp.inter_bytes_per_node + o * onebit.inter_bytes_per_node + sum(c * cost.inter_bytes_per_node for c, cost in part_costs),
@@ -317,6 +329,7 @@ def plan(
                 fp=fp,
                 onebit=onebit,
                 part_cost=lambda elements, size: allreduce_cost(elements, size, cluster, reduce),
+                gather_cost=lambda message_bytes: allgather_cost(message_bytes, cluster),
                 allreduce_bits=allreduce_bits,
                 world_size=world_size,
                 compute_s=compute,

@@ -12,6 +12,7 @@ are read from the optimizer classes' own signatures, so each default is written 
 """
 
 import dataclasses
+import functools
 import inspect
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -23,7 +24,8 @@ import torch.distributed as dist
 
 from zoa_train import checks
 from zoa_train.checks import Check
-from zoa_train.comm import CollectiveFactory, OneBitAllReduce
+from zoa_train.comm import CollectiveFactory, OneBitAllReduce, TopKAllReduce
+from zoa_train.comm.topk import topk_wire
 from zoa_train.errors import UserError
 from zoa_train.optim.adam import DataParallelAdam
 from zoa_train.optim.diloco import DiLoCo, OuterSchedule
@@ -120,6 +122,15 @@ class Allreduces:
 
 
 @dataclass(frozen=True)
+class AllGathers:
+    """`calls` all-gathers in which every rank sends a message of `message_bytes`, `bits` of payload."""
+
+    calls: int
+    message_bytes: int
+    bits: int
+
+
+@dataclass(frozen=True)
 class PlanCounts:
     """What a whole run of one optimizer sends, by collective (see zoa_train/optim/plan.py for the bytes)."""
 
@@ -129,6 +140,7 @@ class PlanCounts:
     syncs: int  # steps after which every rank holds the same parameters
     variance_updates: int  # |T_v|
     other_allreduces: tuple[Allreduces, ...] = ()  # full-precision allreduces of parts of the model (PowerSGD's factors, DiLoCo's fragments)
+    allgathers: tuple[AllGathers, ...] = ()  # messages all-gathered (DiLoCo's top-k outer sync)
     extra: Mapping[str, Any] = field(default_factory=dict)  # more figures, kept in `plan --json`
     warning: str | None = None  # a setting that defeats the optimizer's purpose on this run, said once
 
@@ -144,6 +156,12 @@ class OptimizerSpec:
     plan_note: Callable[[dict], str] | None = None  # a line under the plan table, from its plan record
     colour: str = OTHER_COLOUR
     uses_collective: bool = False  # its rounds go through BuildContext.collective, so comm.topology applies
+    # A rule across its knobs: None, or what is wrong in one sentence (checked at recipe load and by `create`).
+    rule: Callable[[Any], str | None] | None = None
+
+    def check_rule(self, knobs: Any) -> str | None:
+        """What its `rule` says of `knobs` (an instance of its knobs dataclass), None when it is kept."""
+        return self.rule(knobs) if self.rule is not None else None
 
     def knobs_from(self, values: object | Mapping) -> Any:
         """Its knobs taken from an object (a recipe's optimizer section) or a mapping; missing ones keep their defaults."""
@@ -208,7 +226,11 @@ def knob_values(section: object) -> dict:
 def create(section, model: torch.nn.Module, device: torch.device, world_size: int, collective: CollectiveFactory = OneBitAllReduce) -> TrainingOptimizer:
     """The TrainingOptimizer a recipe's optimizer section names (timm's create_optimizer, by recipe)."""
     spec = get(section.name)
-    return spec.build(BuildContext(model, device, world_size, section, spec.knobs_from(section), collective))
+    knobs = spec.knobs_from(section)
+    problem = spec.check_rule(knobs)
+    if problem:
+        raise UserError(f"{problem}.")
+    return spec.build(BuildContext(model, device, world_size, section, knobs, collective))
 
 
 def import_modules(modules: Iterable[str], origin: str) -> None:
@@ -463,6 +485,34 @@ register(
 )
 
 
+@dataclass(frozen=True)
+class OuterCollective:
+    """A collective DiLoCo's outer sync can average its pseudo-gradient with (optimizer.outer_collective)."""
+
+    build: Callable[[BuildContext], CollectiveFactory | None]  # the factory DiLoCo takes; None: a full-precision allreduce
+    plan: Callable[[PlanContext, int], dict]  # PlanCounts fields for `calls` outer averages (of a fragment each)
+
+
+def _topk_factory(ctx: BuildContext) -> CollectiveFactory:
+    k = ctx.knobs
+    return functools.partial(TopKAllReduce, density=k.topk_density, chunk=k.topk_chunk, error_decay=k.topk_error_decay)
+
+
+def _plan_topk(ctx: PlanContext, calls: int) -> dict:
+    """One all-gather of each rank's message per call, laid out over the model's tensors where known."""
+    sizes = [math.prod(shape) for shape in ctx.param_shapes]
+    wire = topk_wire(sizes if sum(sizes) == ctx.num_params else [ctx.num_params], ctx.knobs.topk_density, ctx.knobs.topk_chunk)
+    return {"allgathers": (AllGathers(calls, wire.message_bytes, wire.payload_bits),)}
+
+
+OUTER_COLLECTIVES: dict[str, OuterCollective] = {
+    "full": OuterCollective(lambda ctx: None, lambda ctx, calls: {"other_allreduces": (Allreduces(calls, -(-ctx.num_params // ctx.knobs.fragments)),)}),
+    # the 1-bit optimizers' collective: the recipe's comm section, so node-aware where the nodes are
+    "onebit": OuterCollective(lambda ctx: ctx.collective, lambda ctx, calls: {"onebit_allreduces": calls}),
+    "topk": OuterCollective(_topk_factory, _plan_topk),  # SparseLoCo's compressor, zoa_train/comm/topk.py
+}
+
+
 @dataclass
 class DiLoCoKnobs:
     sync_every: int = library_default(DiLoCo, "sync_every")  # H: inner steps between outer steps
@@ -470,15 +520,28 @@ class DiLoCoKnobs:
     outer_momentum: float = library_default(DiLoCo, "outer_momentum")  # 0 with outer_lr 1: model averaging
     outer_nesterov: bool = library_default(DiLoCo, "outer_nesterov")
     fragments: int = library_default(DiLoCo, "fragments")  # Streaming DiLoCo above 1: one fragment's outer step every H/F steps
+    # what averages the pseudo-gradient: full (allreduce_dtype), onebit (comm's 1-bit sync), topk (below); the last two with error feedback
+    outer_collective: Literal[tuple(OUTER_COLLECTIVES)] = "full"
+    topk_density: float = library_default(TopKAllReduce, "density")  # fraction of each chunk sent
+    topk_chunk: int = library_default(TopKAllReduce, "chunk")  # elements per chunk, each chunk its own top-k and 2-bit levels
+    topk_error_decay: float = library_default(TopKAllReduce, "error_decay")  # the error's decay between outer steps (SparseLoCo's beta)
+
+    def optimizer_knobs(self) -> dict:
+        """The DiLoCo keyword arguments among them (the others choose and set its outer collective)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "outer_collective" and not f.name.startswith("topk_")}
+
+
+def _diloco_rule(k: DiLoCoKnobs) -> str | None:
+    if k.fragments > k.sync_every:
+        return f"optimizer.fragments ({k.fragments}) must not exceed optimizer.sync_every ({k.sync_every}): each fragment needs a step of its own in a period"
+    if k.outer_collective != "full" and k.fragments != 1:
+        return f"optimizer.outer_collective {k.outer_collective} averages the whole model at once, so optimizer.fragments must be 1, not {k.fragments}"
+    return None
 
 
 def _build_diloco(ctx: BuildContext) -> TrainingOptimizer:
-    k = ctx.knobs
-    if k.fragments > k.sync_every:
-        raise UserError(
-            f"optimizer.fragments ({k.fragments}) must not exceed optimizer.sync_every ({k.sync_every}): each fragment needs a step of its own in a period."
-        )
-    optimizer = DiLoCo(ctx.parameter_groups(), **dataclasses.asdict(k), **ctx.optimizer_kwargs())
+    outer = OUTER_COLLECTIVES[ctx.knobs.outer_collective].build(ctx)
+    optimizer = DiLoCo(ctx.parameter_groups(), **ctx.knobs.optimizer_knobs(), outer_collective=outer, **ctx.optimizer_kwargs())
     return SelfSyncing(ctx.model, optimizer, "diloco")
 
 
@@ -488,12 +551,16 @@ MIN_OUTER_STEPS = 8
 
 
 def _plan_diloco(ctx: PlanContext) -> PlanCounts:
-    """One allreduce of a fragment (1/F of the model, planned equal) at each fragment's outer step."""
+    """One average of a fragment (1/F of the model, planned equal) at each fragment's outer step, by
+    the outer collective (compressed ones: fragments is 1)."""
     k = ctx.knobs
     try:
         schedule = OuterSchedule(k.sync_every, k.fragments)
     except ValueError as e:
         raise UserError(f"optimizer: {e}.") from None
+    problem = _diloco_rule(k)
+    if problem:
+        raise UserError(f"{problem}.")
     per_step = [len(schedule.due(t)) for t in range(1, ctx.steps + 1)]
     outer, rounds = sum(per_step), sum(1 for n in per_step if n)
     periods = ctx.steps // k.sync_every  # outer steps of each fragment
@@ -503,20 +570,19 @@ def _plan_diloco(ctx: PlanContext) -> PlanCounts:
             f"optimizer.sync_every ({k.sync_every:,}) leaves this run of {ctx.steps:,} steps {periods} outer step(s), too few to train "
             f"(2 ended 8% above Adam on gpt2_tiny; bert_tiny reached Adam's loss with 9, docs/results.md): set sync_every to {max(1, ctx.steps // MIN_OUTER_STEPS):,} or less."
         )
+    sends = OUTER_COLLECTIVES[k.outer_collective].plan(ctx, outer)
     return PlanCounts(
-        fp_allreduces=0,
-        onebit_allreduces=0,
+        **{"fp_allreduces": 0, "onebit_allreduces": 0, **sends},
         rounds=rounds,
         syncs=rounds if k.fragments == 1 else 0,
         variance_updates=ctx.steps,
-        other_allreduces=(Allreduces(outer, -(-ctx.num_params // k.fragments)),),
-        extra={"outer_steps": outer},
+        extra={"outer_steps": outer, "outer_collective": k.outer_collective},
         warning=warning,
     )
 
 
 def _note_diloco(record: dict) -> str:
-    return f"DiLoCo: {record['outer_steps']:,} outer steps (fragments' included), {record['rounds']:,} rounds"
+    return f"DiLoCo: {record['outer_steps']:,} outer steps (fragments' included), {record['rounds']:,} rounds, outer sync {record['outer_collective']}"
 
 
 register(
@@ -526,8 +592,17 @@ register(
         _build_diloco,
         _plan_diloco,
         DiLoCoKnobs,
-        {"sync_every": checks.positive, "outer_lr": checks.positive, "outer_momentum": checks.FRACTION, "fragments": checks.positive},
+        {
+            "sync_every": checks.positive,
+            "outer_lr": checks.positive,
+            "outer_momentum": checks.FRACTION,
+            "fragments": checks.positive,
+            "topk_density": checks.within(0, 1, low_open=True, high_open=False),
+            "topk_chunk": checks.positive,
+            "topk_error_decay": checks.within(0, 1, high_open=False),
+        },
         _note_diloco,
         colour="#b8860b",
+        rule=_diloco_rule,
     )
 )
