@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from zoa_train.bench import netsim
 from zoa_train.errors import UserError
@@ -177,6 +178,22 @@ def test_step_time_time_to_target_and_speedups():
     assert without_adam[0]["time_to_target_s"] is None and without_adam[0]["speedup_wall"] is None
 
 
+def test_a_given_target_loss_times_every_run_without_adam():
+    """--target-loss (Adam's final val_loss from an earlier run) is the target when Adam is not trained."""
+    records = [{"step": s, "wall_time": 2.0 * s, "loss": 9.0, "tokens_per_s": 100.0, "bits_per_param": 0.01, "rounds": 1, "bytes_sent": 1,
+                "val_loss": v} for s, v in ((1, 5.0), (2, 4.4), (3, 4.3))]  # fmt: skip
+    row = netsim.summarize(RunLog(Path("diloco"), {"optimizer": {"name": "diloco"}}, records), 4.4 * 1.01)
+    netsim.add_speedups([row])
+    assert (row["time_to_target_s"], row["step_to_target"], row["speedup_time_to_target"]) == (4.0, 2, None)
+    row |= {"label": "diloco", "topology": None, "wire_bytes_per_rank": 2, "wire_bytes_per_node": 2}
+    result = {"ranks": 2, "nodes": 2, "ranks_per_node": 1, "bandwidth": "10mbit", "latency_s": 0, "recipe": "r.yaml", "comm": None,
+              "adam_val_loss": 4.4, "target_given": True, "target_margin": 0.01, "target_val_loss": 4.4 * 1.01, "runs": [row]}  # fmt: skip
+    console = Console(record=True, width=200)
+    console.print(netsim.format_netsim(result))
+    text = " ".join(console.export_text().split())  # the caption wraps
+    assert "target: --target-loss + 1.0%, 4.4440; no Adam run: no speed-ups" in text and "4.0 s (step 2)" in text
+
+
 def test_a_failed_rank_is_summed_up_by_its_error(tmp_path):
     log = tmp_path / "rank0.log"
     log.write_text("[rank0]: Traceback (most recent call last):\n[rank0]:   ...\n[rank0]: FileExistsError: [Errno 17] File\n[rank0]: exists: '/a/b'\n")
@@ -210,6 +227,9 @@ def test_root_and_iproute2_are_required(monkeypatch):
         (["--comm-sizes", "1X"], "--comm-sizes"),
         (["--set", "train.nope=1"], "unknown key"),
         (["--margin", "1.5"], "--margin must be a fraction"),
+        (["--target-loss", "-1"], "--target-loss must be a positive loss, not -1.0"),
+        (["--target-loss", "nan"], "--target-loss must be a positive loss"),
+        (["--target-loss", "4.4", "--optimizers", "adam,zero_one_adam"], "--target-loss stands in for adam's run"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(monkeypatch, capsys, tmp_path, args, message):

@@ -10,6 +10,7 @@ zoa-train bench comm --sizes 1M,16M,64M --nproc 2        fp32 allreduce vs 1-bit
 sudo zoa-train bench netsim --ranks 2 --bandwidth 100mbit  each optimizer over emulated network links
 """
 
+import math
 import os
 import shutil
 import sys
@@ -641,6 +642,13 @@ def bench_netsim(
             help="Time to target counts until Adam's final val_loss times 1 + MARGIN is reached, e.g. 0.02 for within 2%. [default: 0]", show_default=False
         ),
     ] = 0.0,
+    target_loss: Annotated[
+        float | None,
+        typer.Option(
+            help="The val_loss to reach in place of Adam's final one, from an earlier Adam run of the same recipe and seed (the loss does not depend on the link): for links too slow to train Adam on. [default: Adam's, trained here]",
+            show_default=False,
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object instead of tables.")] = False,
 ) -> None:
     """Train each optimizer on ranks in network namespaces (emulated nodes) joined by a bridge over rate-limited, delayed veth links, same recipe and seed.
@@ -660,6 +668,8 @@ def bench_netsim(
     world = nodes * ranks_per_node if nodes else ranks
     if not 0 <= margin < 1:
         fail(f"--margin must be a fraction in [0, 1), not {margin}.")
+    if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
+        fail(f"--target-loss must be a positive loss, not {target_loss}.")
     overrides = [*set_, *([f"train.steps={steps}"] if steps else [])]
     config = load_recipe(recipe, overrides)  # also imports the modules that register its optimizers
     names = parse_optimizers(optimizers)
@@ -690,6 +700,7 @@ def bench_netsim(
             ranks_per_node=ranks_per_node,
             intra_bandwidth=intra_bandwidth,
             num_params=num_params,
+            target_loss=target_loss,
         )
     except RankFailed as e:
         zoa_console.error(str(e))
