@@ -15,8 +15,8 @@ import yaml
 
 from zoa_train.cli import parameter_shapes
 from zoa_train.config import load_recipe
+from zoa_train.convert_deepspeed import convert, write_recipe
 from zoa_train.errors import UserError
-from zoa_train.integrations.deepspeed import convert, write_recipe
 from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam, registry
 from zoa_train.optim.plan import plan
 

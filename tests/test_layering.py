@@ -82,6 +82,14 @@ print("\\n".join(failed))
 """
 
 
+def test_the_core_does_not_import_the_integrations():
+    """zoa_train.integrations holds the optional frameworks' glue: the core package never imports it."""
+    modules = set(MODULES)
+    core = [p for p in PACKAGE.rglob("*.py") if not module_name(p).startswith("zoa_train.integrations")]
+    offenders = {module_name(p): sorted(m for m in imports_of(p, modules) if m.startswith("zoa_train.integrations")) for p in core}
+    assert not {k: v for k, v in offenders.items() if v}, offenders
+
+
 def test_every_module_imports_first():
     """Each module imported first of the package's, in one interpreter that forgets the package in
     between (a fresh interpreter per module would cost a torch import each)."""

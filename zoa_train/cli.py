@@ -373,7 +373,7 @@ def convert_deepspeed_command(
     set_: Annotated[list[str], typer.Option("--set", help="Set a recipe value the config does not hold, e.g. train.steps=N (repeatable).")] = [],
 ) -> None:
     """Convert a DeepSpeed config into a zoa-train recipe: a comment on every line whose meaning changed; keys that cannot map are refused (docs/from-deepspeed.md)."""
-    from zoa_train.integrations.deepspeed import convert, write_recipe
+    from zoa_train.convert_deepspeed import convert, write_recipe
 
     text = convert(config, model, set_)
     if out is None:
