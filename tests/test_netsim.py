@@ -182,12 +182,16 @@ def test_a_given_target_loss_times_every_run_without_adam():
     """--target-loss (Adam's final val_loss from an earlier run) is the target when Adam is not trained."""
     records = [{"step": s, "wall_time": 2.0 * s, "loss": 9.0, "tokens_per_s": 100.0, "bits_per_param": 0.01, "rounds": 1, "bytes_sent": 1,
                 "val_loss": v} for s, v in ((1, 5.0), (2, 4.4), (3, 4.3))]  # fmt: skip
-    row = netsim.summarize(RunLog(Path("diloco"), {"optimizer": {"name": "diloco"}}, records), 4.4 * 1.01)
+    logs = {"diloco": RunLog(Path("diloco"), {"optimizer": {"name": "diloco"}}, records)}
+    assert netsim.reference_loss(logs, 0.01, None) == (None, None)
+    adam, target = netsim.reference_loss(logs, 0.01, 4.4)
+    assert adam == 4.4 and target == pytest.approx(4.444)
+    row = netsim.summarize(logs["diloco"], target)
     netsim.add_speedups([row])
     assert (row["time_to_target_s"], row["step_to_target"], row["speedup_time_to_target"]) == (4.0, 2, None)
     row |= {"label": "diloco", "topology": None, "wire_bytes_per_rank": 2, "wire_bytes_per_node": 2}
     result = {"ranks": 2, "nodes": 2, "ranks_per_node": 1, "bandwidth": "10mbit", "latency_s": 0, "recipe": "r.yaml", "comm": None,
-              "adam_val_loss": 4.4, "target_given": True, "target_margin": 0.01, "target_val_loss": 4.4 * 1.01, "runs": [row]}  # fmt: skip
+              "adam_val_loss": adam, "target_given": True, "target_margin": 0.01, "target_val_loss": target, "runs": [row]}  # fmt: skip
     console = Console(record=True, width=200)
     console.print(netsim.format_netsim(result))
     text = " ".join(console.export_text().split())  # the caption wraps

@@ -473,8 +473,7 @@ def run_netsim(
             comm = _last_json(logs[0])
 
     logs = {label: read_run(out / label) for label in runs}
-    adam = logs[registry.BASELINE].final("val_loss") if registry.BASELINE in logs else target_loss
-    target = adam * (1 + margin) if adam is not None else None
+    adam, target = reference_loss(logs, margin, target_loss)
     rows = [summarize(logs[row["label"]], target) | row for row in rows]
     add_speedups(rows)
     result |= {"adam_val_loss": adam, "target_given": target_loss is not None, "target_margin": margin, "target_val_loss": target, "runs": rows, "comm": comm}
@@ -483,6 +482,13 @@ def run_netsim(
         result["plan_inputs"] = plan_inputs(result, num_params, element_size)
     (out / "netsim.json").write_text(dumps_json(result, indent=1) + "\n")
     return result
+
+
+def reference_loss(logs: dict[str, RunLog], margin: float, given: float | None) -> tuple[float | None, float | None]:
+    """Adam's final val_loss among the runs' `logs`, or `given` (--target-loss) where Adam was not
+    trained; and the target, that times 1 + `margin` (None, None: no Adam run and nothing given)."""
+    adam = logs[registry.BASELINE].final("val_loss") if registry.BASELINE in logs else given
+    return adam, (adam * (1 + margin) if adam is not None else None)
 
 
 def _last_json(log: Path) -> dict:
