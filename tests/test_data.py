@@ -426,3 +426,25 @@ def test_prefetched_batches_and_their_position_are_those_of_the_loader():
     resumed = DevicePrefetcher(loader(), to_device, torch.device("cpu"))
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert all(torch.equal(next(resumed)["input_ids"], expected) for expected in reference[13:])
+
+
+_TRAIN_TOKENIZER = """
+import sys
+from zoa_train.data import load_or_train_tokenizer
+from zoa_train.data.sources import bundled_paragraphs
+load_or_train_tokenizer(sys.argv[1], None, bundled_paragraphs(), 2048, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bert"])
+def test_a_trained_tokenizer_numbers_its_tokens_alike_in_every_process(kind, tmp_path):
+    """Two processes (each its own hash-map seed in the tokenizers library) train the same ids:
+    the bert kind's WordPiece trainer alone would number ~100 tokens differently each time."""
+    import subprocess
+    import sys
+
+    vocabs = []
+    for attempt in ("a", "b"):
+        subprocess.run([sys.executable, "-c", _TRAIN_TOKENIZER, kind, str(tmp_path / attempt)], check=True, timeout=300)
+        vocabs.append(json.loads((tmp_path / attempt / "tokenizer.json").read_text())["model"]["vocab"])
+    assert len(vocabs[0]) > 1000 and vocabs[0] == vocabs[1]

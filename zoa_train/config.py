@@ -367,8 +367,6 @@ def _check(recipe: Recipe, origin: str) -> None:
         **CHECKS,
         **{f"model.{key}": check for key, check in models.SHARED_CHECKS.items()},
         **{f"model.{key}": check for kind in models.names() for key, check in models.get(kind).checks.items()},
-        **{f"optimizer.{key}": check for key, check in registry.SHARED_CHECKS.items()},
-        **{f"optimizer.{key}": check for name in registry.names() for key, check in registry.get(name).checks.items()},
     }
     for key, check in table.items():
         section, name = key.split(".")
@@ -376,10 +374,7 @@ def _check(recipe: Recipe, origin: str) -> None:
         problem = check(value)
         if problem:
             raise UserError(f"{origin}: {key} {problem}, not {list(value) if isinstance(value, tuple) else value}.")
-    spec = registry.get(o.name)
-    problem = spec.check_rule(spec.knobs_from(o))  # a rule across the optimizer's own knobs
-    if problem:
-        raise UserError(f"{origin}: {problem}.")
+    registry.check_section(o, origin, [o.name])  # every knob, and the rule across the named optimizer's knobs
     if recipe.schedule.name == "cosine" and recipe.schedule.min_lr > o.lr:
         raise UserError(f"{origin}: schedule.min_lr {recipe.schedule.min_lr} is above optimizer.lr {o.lr}; the cosine schedule decays from lr down to min_lr.")
     final_lr = recipe.lr_schedule()(recipe.train.steps - 1)

@@ -92,6 +92,8 @@ def _train_and_save(kind: str, texts: Iterable[str], vocab_size: int, out_dir: P
     started = time.perf_counter()
     backend, trainer, specials = _gpt2_bpe(vocab_size) if kind == "gpt2" else _bert_wordpiece(vocab_size)
     backend.train_from_iterator(texts, trainer=trainer)
+    if kind == "bert":
+        backend.model = models.WordPiece(_canonical_ids(backend.get_vocab()), unk_token=BERT_SPECIALS["unk_token"])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **specials)
     tmp = temporary_name(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
@@ -101,6 +103,17 @@ def _train_and_save(kind: str, texts: Iterable[str], vocab_size: int, out_dir: P
         os.replace(f, out_dir / f.name)
     tmp.rmdir()
     log.info("Trained a %s tokenizer (%d tokens) in %.1fs -> %s", kind, len(tokenizer), time.perf_counter() - started, out_dir)
+
+
+def _canonical_ids(vocab: dict[str, int]) -> dict[str, int]:
+    """The same ids for the same corpus in every process. The WordPiece trainer numbers the "##"
+    alphabet, and merges of equal count, in hash-map order, which differs from process to process
+    (the tokens are the same): the special tokens keep their ids, the others are numbered single
+    characters first, then their "##" forms, then the rest, each group in string order. WordPiece
+    encodes by the strings alone, so only the numbering changes."""
+    specials = list(BERT_SPECIALS.values())
+    rest = sorted((t for t in vocab if t not in specials), key=lambda t: (len(t.removeprefix("##")) > 1, t.startswith("##"), t))
+    return {token: i for i, token in enumerate(specials + rest)}
 
 
 def _gpt2_bpe(vocab_size: int) -> tuple[Tokenizer, trainers.Trainer, dict[str, str]]:

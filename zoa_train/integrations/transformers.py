@@ -51,11 +51,7 @@ def optimizer_section(name: str, **knobs):
         raise UserError(f"optimizer {name} has no knob {unknown[0]}; its knobs are {', '.join(allowed)}.")
     origin = f"optimizer {name}"
     section = config.build_section(config.optimizer_section(), {"name": name, **knobs}, origin, "optimizer.")
-    for key, check in {**registry.SHARED_CHECKS, **spec.checks}.items():
-        value = getattr(section, key)
-        problem = check(value)
-        if problem:
-            raise UserError(f"{origin}: {key} {problem}, not {list(value) if isinstance(value, tuple) else value}.")
+    registry.check_section(section, origin, [name])
     return section
 
 

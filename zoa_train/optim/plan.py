@@ -292,10 +292,7 @@ def plan(
         _check(costs.reduce_rate > 0, f"the reduction rate must be a positive number of elements/s, got {costs.reduce_rate}.")
     unknown = set(knobs) - {f.name for f in registry.knob_fields()}
     _check(not unknown, f"no optimizer has the knob {', '.join(sorted(unknown))}.")
-    for spec in map(registry.get, registry.names()):
-        for name, check in spec.checks.items():
-            problem = name in knobs and check(knobs[name])
-            _check(not problem, f"{name} {problem}, got {knobs.get(name)}.")
+    registry.check_section(knobs, "plan")  # each knob; each optimizer's rule is its plan's to apply
 
     cluster = Cluster(world_size // ranks_per_node, ranks_per_node, bandwidth_bytes_per_s, latency_s, intra_bandwidth_bytes_per_s, backend)
     element = allreduce_bits // 8

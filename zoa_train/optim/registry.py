@@ -223,14 +223,32 @@ def knob_values(section: object) -> dict:
     return {f.name: getattr(section, f.name) for f in knob_fields()}
 
 
+def check_section(values: object | Mapping, origin: str, rules: Iterable[str] = ()) -> None:
+    """Refuse, in one sentence that starts with `origin`, optimizer knobs (a recipe's optimizer section,
+    or a mapping of some knobs; the others keep their defaults) of which one fails its check, or whose
+    rule across its knobs fails for an optimizer named in `rules`. Every knob is checked: a recipe's
+    section holds every registered one. The one check of optimizer knobs (recipes, the integrations,
+    `plan`, `create`)."""
+    get = values.get if isinstance(values, Mapping) else lambda name, default: getattr(values, name, default)
+    table = {**SHARED_CHECKS, **{key: check for spec in _SPECS.values() for key, check in spec.checks.items()}}
+    defaults = {f.name: f.default for f in [*dataclasses.fields(SharedKnobs), *knob_fields()]}
+    for key, check in table.items():
+        value = get(key, defaults[key])
+        problem = check(value)
+        if problem:
+            raise UserError(f"{origin}: optimizer.{key} {problem}, not {list(value) if isinstance(value, tuple) else value}.")
+    for name in rules:
+        spec = _SPECS[name]
+        problem = spec.check_rule(spec.knobs_from(values))
+        if problem:
+            raise UserError(f"{origin}: {problem}.")
+
+
 def create(section, model: torch.nn.Module, device: torch.device, world_size: int, collective: CollectiveFactory = OneBitAllReduce) -> TrainingOptimizer:
     """The TrainingOptimizer a recipe's optimizer section names (timm's create_optimizer, by recipe)."""
     spec = get(section.name)
-    knobs = spec.knobs_from(section)
-    problem = spec.check_rule(knobs)
-    if problem:
-        raise UserError(f"{problem}.")
-    return spec.build(BuildContext(model, device, world_size, section, knobs, collective))
+    check_section(section, f"optimizer {spec.name}", [spec.name])
+    return spec.build(BuildContext(model, device, world_size, section, spec.knobs_from(section), collective))
 
 
 def import_modules(modules: Iterable[str], origin: str) -> None:
@@ -411,14 +429,18 @@ class PowerSGDKnobs:
     powersgd_warm_start: bool = library_default(PowerSGDHook, "warm_start")  # Q from the previous step
 
 
+def _powersgd_rule(k: PowerSGDKnobs) -> str | None:
+    if k.freeze_step < 2 and (k.powersgd_error_feedback or k.powersgd_warm_start):
+        return (
+            f"optimizer.freeze_step must be at least 2 for powersgd with error feedback or warm start, not {k.freeze_step}: "
+            "DDP lays its buckets out anew after the first step, which torch's PowerSGD hook must not compress"
+        )
+    return None
+
+
 def _build_powersgd(ctx: BuildContext) -> TrainingOptimizer:
     """DDP with torch's PowerSGD hook (zoa_train/optim/powersgd.py), Adam on top as `adam`'s."""
     s, k = ctx.shared, ctx.knobs
-    if k.freeze_step < 2 and (k.powersgd_error_feedback or k.powersgd_warm_start):
-        raise UserError(
-            f"optimizer.freeze_step must be at least 2 for powersgd with error feedback or warm start, not {k.freeze_step}: "
-            "DDP lays its buckets out anew after the first step, which torch's PowerSGD hook must not compress."
-        )
     hook = PowerSGDHook(
         ctx.model,
         rank=k.powersgd_rank,
@@ -481,6 +503,7 @@ register(
         {"freeze_step": checks.positive, "powersgd_rank": checks.positive, "powersgd_min_compression_rate": checks.positive},
         _note_powersgd,
         colour="#16a085",
+        rule=_powersgd_rule,
     )
 )
 
@@ -554,13 +577,11 @@ def _plan_diloco(ctx: PlanContext) -> PlanCounts:
     """One average of a fragment (1/F of the model, planned equal) at each fragment's outer step, by
     the outer collective (compressed ones: fragments is 1)."""
     k = ctx.knobs
+    check_section(k, "plan", ["diloco"])
     try:
         schedule = OuterSchedule(k.sync_every, k.fragments)
     except ValueError as e:
         raise UserError(f"optimizer: {e}.") from None
-    problem = _diloco_rule(k)
-    if problem:
-        raise UserError(f"{problem}.")
     per_step = [len(schedule.due(t)) for t in range(1, ctx.steps + 1)]
     outer, rounds = sum(per_step), sum(1 for n in per_step if n)
     periods = ctx.steps // k.sync_every  # outer steps of each fragment

@@ -49,6 +49,16 @@ class TrainingOptimizer(Protocol):
     def step(self) -> str:
         """One optimizer step on the gradients of this rank; returns its kind (zoa_train.step_kinds)."""
 
+    def zero_grad(self) -> None:
+        """Drop the gradients (set to None), after a step or a skipped one."""
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next step takes (as the lr scheduler set it)."""
+
+    def keep_rounds_in_step(self, reason: str) -> None:
+        """Start no round during backward: `reason` (clipping, loss scaling, ...) changes the gradients after it."""
+
     @property
     def variance_updates(self) -> int:
         """Steps so far that updated Adam's second moment."""
@@ -170,6 +180,16 @@ class DDPBacked:
     def no_sync(self):
         return self.module.no_sync()
 
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def keep_rounds_in_step(self, reason: str) -> None:
+        """DDP's allreduce of the raw gradients during backward is what clipping and loss scaling expect."""
+
     def step(self) -> str:
         self.optimizer.step()
         kind = FULL
@@ -271,6 +291,16 @@ class SelfSyncing:
         self._check_parameters()
         self.optimizer.step()
         return self.optimizer.last_step.kind
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def keep_rounds_in_step(self, reason: str) -> None:
+        self.optimizer.keep_rounds_in_step(reason)
 
     @property
     def variance_updates(self) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from zoa_train.comm import CommLedger
 from zoa_train.config import Recipe
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,48 @@ class MetricsLogger:
             self._tensorboard.close()
         if self._wandb:
             self._wandb.finish()
+
+
+class LogWindow:
+    """The steps since the last log line and their time: a log step's training record. Time spent
+    in validation and checkpoints is not training throughput: the trainer leaves it out (`exclude`)."""
+
+    def __init__(self, every: int, units_per_step: int, unit: str):
+        self.every, self.units_per_step, self.throughput_key = every, units_per_step, f"{unit}_per_s"
+        self._restart()
+
+    def _restart(self) -> None:
+        self.start, self.steps, self.kinds = time.perf_counter(), 0, ""
+
+    def should_log(self, step: int, last: bool) -> bool:
+        return step % self.every == 0 or last
+
+    def add(self, kind: str) -> None:
+        """One step taken, of this kind (zoa_train.step_kinds)."""
+        self.steps += 1
+        self.kinds += kind
+
+    def exclude(self, seconds: float) -> None:
+        self.start += seconds
+
+    def record(self, loss: float, lr: float, ledger: CommLedger, variance_updates: int) -> dict:
+        """The window's record (`loss` averaged over the ranks, which waited for the device), and a new window."""
+        elapsed = time.perf_counter() - self.start
+        record = {
+            "loss": loss,
+            "lr": lr,
+            self.throughput_key: self.units_per_step * self.steps / max(elapsed, 1e-9),
+            "bits_per_param": ledger.average_bits_per_param,
+            "rounds": ledger.rounds,
+            "bytes_sent": ledger.bytes_sent,
+            "intra_bits_per_param": ledger.average_intra_bits_per_param,
+            "intra_bytes_sent": ledger.intra_bytes_sent,
+            "variance_updates": variance_updates,
+            "step_kinds": self.kinds,
+            "train_s": elapsed,  # the window's steps alone: step times by kind (zoa_train.runs)
+        }
+        self._restart()
+        return record
 
 
 def _clock(seconds: float) -> str:

@@ -33,7 +33,7 @@ from zoa_train.optim import registry
 from zoa_train.precision import autocast
 from zoa_train.tasks import build_task
 from zoa_train.train.loss_scaling import LossScaler
-from zoa_train.train.metrics import MetricsLogger
+from zoa_train.train.metrics import LogWindow, MetricsLogger
 from zoa_train.train.rundir import RunDirectory, agree, complete_checkpoints, read_marker
 
 log = logging.getLogger(__name__)
@@ -182,6 +182,7 @@ class Trainer:
         c = recipe.comm
         sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap)
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self._no_overlap_when_gradients_change(recipe)
         if sync.chosen and self.is_main:
             if sync.chosen.startswith("hierarchical"):  # flat on one node is what everyone expects: not said
@@ -233,117 +234,121 @@ class Trainer:
     def _no_overlap_when_gradients_change(self, recipe: Recipe) -> None:
         """Rounds started during backward use the gradients as backward left them: a run that changes
         them afterwards starts its rounds in step() instead."""
-        t, optimizer = recipe.train, self.opt.optimizer
+        t = recipe.train
         reason = (
             "train.grad_clip" if t.grad_clip > 0 else "fp16 loss scaling" if t.precision == "fp16" else "train.skip_nonfinite" if t.skip_nonfinite else None
         )
-        if reason and hasattr(optimizer, "keep_rounds_in_step"):
-            optimizer.keep_rounds_in_step(reason)
+        if reason:
+            self.opt.keep_rounds_in_step(reason)
 
     # ---- the loop -----------------------------------------------------------------------------
 
     def fit(self) -> dict | None:
         t = self.recipe.train
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        throughput_key = f"{self.task.unit}_per_s"
-        units_per_step = t.global_batch_size * self.task.units_per_sample
         started = time.perf_counter() - self.wall_offset
-        window_start, window_steps = time.perf_counter(), 0
-        train_record, val_record, step_kinds = {}, {}, ""
+        window = LogWindow(t.log_every, t.global_batch_size * self.task.units_per_sample, self.task.unit)
+        train_record, val_record = {}, {}
         while self.step < t.steps:
-            self.model.train()
-            loss_sum = torch.zeros((), device=self.device)
-            self.phase = "forward and backward (DDP's gradient allreduce)"
-            for micro in range(self.accum):
-                batch = next(self.batches)
-                last_micro = micro == self.accum - 1
-                # no_sync() around forward and backward: DDP reads it at the forward, the 1-bit
-                # optimizers at the backward (their rounds start in gradient hooks)
-                with contextlib.nullcontext() if last_micro else self.opt.no_sync():
-                    with autocast(t.precision, self.device):
-                        loss = self.task.loss(self.opt.module, batch) / self.accum
-                    self.scaler.scale_loss(loss).backward()
-                loss_sum += loss.detach()
-            communicates = self.opt.next_step_communicates()
-            if self.scaler.unscale_and_check(params, communicates, self.ledger):
-                if communicates:
-                    self.opt.optimizer.zero_grad(set_to_none=True)
-                    continue  # every rank skips: no optimizer step, schedule or state touched
-                for p in params:  # a local step overflowed on this rank alone: it steps with zero gradients
-                    if p.grad is not None:
-                        p.grad.zero_()
-            if t.skip_nonfinite:
-                if self._nonfinite_anywhere(loss_sum):  # agreed by one scalar allreduce per step
-                    self.skipped_nonfinite += 1
-                    if self.skipped_nonfinite > t.skip_nonfinite:
-                        self._stop_nonfinite(self.step + 1)
-                    log.warning("step %d: the loss is not finite on some rank; every rank skips the step", self.step + 1)
-                    self.opt.optimizer.zero_grad(set_to_none=True)
-                    continue
-            else:  # no communication: remember the first such step, checked at log steps and checkpoints
-                self.first_nonfinite = torch.where(
-                    torch.isfinite(loss_sum), self.first_nonfinite, torch.minimum(self.first_nonfinite, self._step_tensor(self.step + 1))
-                )
-            if t.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
-            lr = self.opt.optimizer.param_groups[0]["lr"]
-            self.phase = "the optimizer step (its allreduce)"
-            step_kinds += self.opt.step()
-            self.phase = "logging, validation or a checkpoint"
-            self.scheduler.step()
-            self.opt.optimizer.zero_grad(set_to_none=True)
+            taken = self.train_step()
+            if taken is None:
+                continue  # every rank skipped it: no optimizer step, schedule or state touched
+            loss_sum, lr, kind = taken
             self.step += 1
-            window_steps += 1
-
+            window.add(kind)
             last = self.step == t.steps
-            record = {}
-            if self.step % t.log_every == 0 or last or (t.checkpoint_every and self.step % t.checkpoint_every == 0):
+            stopping = not last and self._stop_step() == self.step
+            saving = self.should_save(last) or stopping
+            if window.should_log(self.step, last) or saving:
                 self._check_finite()  # before anything is logged or saved
-            if self.step % t.log_every == 0 or last:
+            record = {}
+            if window.should_log(self.step, last):
                 dist.all_reduce(loss_sum)  # monitoring only: one scalar every log_every steps
-                loss = loss_sum.item() / self.world  # waits for the device: the window's work is done
-                elapsed = time.perf_counter() - window_start
-                train_record = {
-                    "loss": loss,
-                    "lr": lr,
-                    throughput_key: units_per_step * window_steps / max(elapsed, 1e-9),
-                    "bits_per_param": self.ledger.average_bits_per_param,
-                    "rounds": self.ledger.rounds,
-                    "bytes_sent": self.ledger.bytes_sent,
-                    "intra_bits_per_param": self.ledger.average_intra_bits_per_param,
-                    "intra_bytes_sent": self.ledger.intra_bytes_sent,
-                    "variance_updates": self.opt.variance_updates,
-                    "step_kinds": step_kinds,
-                    "train_s": elapsed,  # the window's steps alone: step times by kind (zoa_train.runs)
-                }
+                train_record = window.record(loss_sum.item() / self.world, lr, self.ledger, self.opt.variance_updates)
                 record |= train_record
-                window_start, window_steps, step_kinds = time.perf_counter(), 0, ""
             paused = time.perf_counter()  # validation and checkpoints are not training throughput
             if last:
                 self.opt.synchronize()  # every rank ends on the same model
-            if (t.val_every and self.step % t.val_every == 0) or last:
+            if self.should_validate(last):
                 val_record = self.validate()
                 record |= val_record
             if record:
                 self.metrics.log({"step": self.step, **record, "wall_time": time.perf_counter() - started})
-            saved = (t.checkpoint_every and self.step % t.checkpoint_every == 0) or last
-            if saved:
+            if saving:
                 self.wall_offset = time.perf_counter() - started
                 self.save()
-            if not last and self._stop_step() == self.step:
-                if not saved:
-                    self._check_finite()
-                    self.wall_offset = time.perf_counter() - started
-                    self.save()
+            if stopping:
                 log.warning("stopped at step %d on a termination signal, after a complete checkpoint", self.step)
                 return {"preempted": True, "step": self.step, "run_dir": str(self.run_dir.path)}
-            window_start += time.perf_counter() - paused
+            window.exclude(time.perf_counter() - paused)
         if not self.is_main:
             return None
         summary = {"step": self.step, **train_record, **val_record, "wall_time": time.perf_counter() - started}
-        summary.pop("step_kinds", None)
-        summary.pop("train_s", None)
+        for key in ("step_kinds", "train_s"):
+            summary.pop(key, None)
         return summary | {"run_dir": str(self.run_dir.path)}
+
+    def should_validate(self, last: bool) -> bool:
+        every = self.recipe.train.val_every
+        return last or bool(every and self.step % every == 0)
+
+    def should_save(self, last: bool) -> bool:
+        every = self.recipe.train.checkpoint_every
+        return last or bool(every and self.step % every == 0)
+
+    def train_step(self) -> tuple[torch.Tensor, float, str] | None:
+        """Forward and backward over the step's micro-batches, then the optimizer step: this rank's
+        summed loss, the lr stepped with and the step's kind (zoa_train.step_kinds); None when every
+        rank skips the step."""
+        t = self.recipe.train
+        self.model.train()
+        self.phase = "forward and backward (DDP's gradient allreduce)"
+        loss_sum = torch.zeros((), device=self.device)
+        for micro in range(self.accum):
+            # no_sync() around forward and backward: DDP reads it at the forward, the 1-bit
+            # optimizers at the backward (their rounds start in gradient hooks)
+            with contextlib.nullcontext() if micro == self.accum - 1 else self.opt.no_sync():
+                with autocast(t.precision, self.device):
+                    loss = self.task.loss(self.opt.module, next(self.batches)) / self.accum
+                self.scaler.scale_loss(loss).backward()
+            loss_sum += loss.detach()
+        if self._skip(loss_sum):
+            self.opt.zero_grad()
+            return None
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
+        lr = self.opt.lr
+        self.phase = "the optimizer step (its allreduce)"
+        kind = self.opt.step()
+        self.phase = "logging, validation or a checkpoint"
+        self.scheduler.step()
+        self.opt.zero_grad()
+        return loss_sum, lr, kind
+
+    def _skip(self, loss_sum: torch.Tensor) -> bool:
+        """Whether every rank skips this step: an fp16 overflow in a step that communicates, or a loss
+        that is not finite on some rank under train.skip_nonfinite. An overflow in a local step (this
+        rank's alone) zeroes its gradients instead; a non-finite loss without skip_nonfinite is noted
+        and stops the run at the next check (_check_finite)."""
+        t = self.recipe.train
+        communicates = self.opt.next_step_communicates()
+        if self.scaler.unscale_and_check(self.params, communicates, self.ledger):
+            if communicates:
+                return True
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.zero_()
+        if not t.skip_nonfinite:  # no communication: remember the first such step
+            self.first_nonfinite = torch.where(
+                torch.isfinite(loss_sum), self.first_nonfinite, torch.minimum(self.first_nonfinite, self._step_tensor(self.step + 1))
+            )
+            return False
+        if not self._nonfinite_anywhere(loss_sum):  # agreed by one scalar allreduce per step
+            return False
+        self.skipped_nonfinite += 1
+        if self.skipped_nonfinite > t.skip_nonfinite:
+            self._stop_nonfinite(self.step + 1)
+        log.warning("step %d: the loss is not finite on some rank; every rank skips the step", self.step + 1)
+        return True
 
     # ---- preemption ---------------------------------------------------------------------------
 
