@@ -22,7 +22,7 @@ def zoa(*args: str, cwd: Path = ROOT, env: dict | None = None, timeout: float = 
     return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def tests_on_path() -> dict:
+def env_with_tests_on_path() -> dict:
     """This environment with tests/ on PYTHONPATH: a fresh process can import the plugins kept there
     (tests/model_plugin.py, tests/sgd_plugin.py), as a user's PYTHONPATH would."""
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}

@@ -18,7 +18,7 @@ import conftest
 import pytest
 import torch
 import transformers
-from conftest import ROOT, refused, tests_on_path
+from conftest import ROOT, env_with_tests_on_path, refused
 
 from zoa_train.cli import count_parameters
 from zoa_train.config import recipe_from_dict
@@ -33,7 +33,7 @@ LAMBADA = [SENTENCE, "Mr. Darcy walked off; and Elizabeth remained with no very 
 
 def zoa(*args: str) -> subprocess.CompletedProcess:
     """The CLI in a fresh process that can import tests/model_plugin.py."""
-    return conftest.zoa(*args, env=tests_on_path())
+    return conftest.zoa(*args, env=env_with_tests_on_path())
 
 
 def sets(*pairs: str) -> list[str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import conftest
 import pytest
 import yaml
-from conftest import refused, tests_on_path
+from conftest import env_with_tests_on_path, refused
 from test_netsim import LATENCY, QUICK, needs_namespaces
 
 from zoa_train import checks
@@ -31,7 +31,7 @@ SGD = [*PLUGIN, "--set", "optimizer.name=sgd"]
 
 def zoa(*args: str) -> subprocess.CompletedProcess:
     """The CLI in a fresh process that can import tests/sgd_plugin.py."""
-    return conftest.zoa(*args, env=tests_on_path())
+    return conftest.zoa(*args, env=env_with_tests_on_path())
 
 
 def short(cache_dir: Path, steps: int) -> list[str]:
