@@ -143,8 +143,8 @@ def test_run_directory_rules_hold_under_torchrun(tmp_path, cache_dir):
     assert first.returncode == 0, first.stderr[-3000:]
     (run_dir / "notes.txt").write_text("mine")
 
-    again = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *knobs, command=TORCHRUN)
-    assert again.returncode != 0 and "is not empty" in again.stderr
+    taken = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *knobs, command=TORCHRUN)
+    assert taken.returncode != 0 and "is not empty" in taken.stderr
     assert (run_dir / "notes.txt").read_text() == "mine" and [r["step"] for r in metrics(run_dir)] == [1, 2]
 
     again = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--overwrite", *knobs, command=TORCHRUN)
