@@ -23,12 +23,10 @@ run: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest
 
-# A minute or two for iterating: the format and lint checks, then the tests that start no training run
-# (schema, plan, schedules, collectives, data, images, layering, help). `make test` runs everything.
-QUICK := tests/test_plan.py tests/test_schedules.py tests/test_layering.py tests/test_cli_help.py \
-	tests/test_distributed_env.py tests/test_comm.py tests/test_data.py tests/test_images.py
+# For iterating: the format and lint checks, then every test not marked slow (a slow one starts a training
+# run or a multi-process group of more than a few seconds; the marker is in pyproject.toml). `make test` runs everything.
 quick: lint
-	$(BIN)/python -m pytest $(QUICK)
+	$(BIN)/python -m pytest -m "not slow"
 
 # The formatter and the linter (ruff, settings in pyproject.toml): part of `make test`; `make format` applies both.
 LINTED := zoa_train tests scripts examples

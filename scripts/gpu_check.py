@@ -1,7 +1,9 @@
 """GPU validation, prepared for the day a GPU is lent (one GPU, no network, a few minutes):
 
     python scripts/gpu_check.py                 # on CUDA: every check below
-    python scripts/gpu_check.py --device cpu    # the same checks on the CPU (the test suite runs this)
+    python scripts/gpu_check.py --device cpu    # the same checks on the CPU (the test suite runs them
+                                                # with --quick --skip runs: on the CPU, section 3 is
+                                                # tests/test_run.py's end-to-end run and resume)
 
 1. sign packing and unpacking on the device equal the CPU's, bit for bit;
 2. one step of each optimizer on the device equals the same step on the CPU (one rank; the math of the

@@ -7,47 +7,19 @@ each against a copy of a run directory that must stay byte for byte the same); B
 tests/test_run.py, bad image data in tests/test_tasks.py. The library's own refusals come last."""
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from catalogue import check_documented
+from conftest import refused, zoa, zoa_here
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "gpt2_tiny.yaml")
 
 
-def zoa(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zoa_train.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def zoa_here(capsys, *args: str) -> subprocess.CompletedProcess:
-    """`zoa-train ARGS` through the console entry point in this process: the cases refused before
-    any rank starts, without paying a Python and torch start-up each (those that start ranks use zoa())."""
-    from zoa_train import cli
-
-    capsys.readouterr()
-    argv = sys.argv
-    sys.argv = ["zoa-train", *args]
-    try:
-        cli.run()
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    finally:
-        sys.argv = argv
-    out = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, out.out, out.err)
-
-
 def sets(*pairs: str) -> list[str]:
     return [arg for pair in pairs for arg in ("--set", pair)]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("zoa-cache")
 
 
 def quick(cache_dir: Path, *extra: str) -> list[str]:
@@ -154,7 +126,7 @@ CASES = {
     "zero eps": (recipe_with("optimizer.eps=0"), "optimizer.eps must be positive, not 0.0", False),
     "negative seed": (recipe_with("train.seed=-1"), "train.seed must be >= 0, not -1", False),
     "cosine floor above the lr": (recipe_with("schedule.name=cosine", "schedule.min_lr=1"), "schedule.min_lr 1.0 is above optimizer.lr 0.003", False),
-    "binary recipe file": (recipe_bytes(bytes(range(256)) * 2), "recipe.yaml is not a text file (YAML in UTF-8)", False),
+    "binary recipe file": (recipe_bytes(bytes(range(256)) * 2), "recipe.yaml is not a text file (YAML in UTF-8); is it the recipe?", False),
     "brackets in the recipe's name": (bracketed_recipe, "gpt2[old][bold].yaml: model.n_embd 128 must be divisible by model.n_head 3", False),
     "missing recipe with brackets": (lambda tmp, cache, run: [str(tmp / "x[/y].yaml")], "x[/y].yaml does not exist", False),
     "negative --max-restarts": (lambda tmp, cache, run: [RECIPE, "--max-restarts", "-1"], "--max-restarts must be 0 or more, not -1", False),
@@ -205,13 +177,6 @@ CASES = {
 }
 
 
-def check_one_sentence(done: subprocess.CompletedProcess, message: str) -> None:
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert message in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
-    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, done.stderr[-3000:]
-
-
 def test_the_catalogue_names_cases_that_exist_and_a_case_for_each_message():
     """docs/bad-input.md's rows name cases of the tables here and in tests/test_run.py, whose tests check
     each documented message against what zoa-train says (tests/catalogue.py)."""
@@ -231,7 +196,7 @@ def contents(run_dir: Path) -> dict[Path, bytes]:
     return {p: p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file() and p.name != ".lock"}
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if CASES[c][2] else c for c in sorted(CASES)])  # slow: starts ranks
 def test_bad_input_exits_2_with_one_sentence(tmp_path, cache_dir, capsys, case):
     make_args, message, starts_ranks = CASES[case]
     run_dir = tmp_path / "run"
@@ -239,7 +204,7 @@ def test_bad_input_exits_2_with_one_sentence(tmp_path, cache_dir, capsys, case):
     args = ("run", *args, *([] if "--out" in args else ["--out", str(run_dir)]))
     before = contents(tmp_path)
     done = zoa(*args) if starts_ranks else zoa_here(capsys, *args)
-    check_one_sentence(done, message)
+    refused(done, message, alone=not starts_ranks, end="?" if message.endswith("?") else ".")
     check_documented("bad_input", case, done.stderr)
     if starts_ranks:  # they created the new run directory before the data failed them
         assert not (run_dir / "checkpoints").exists() and not (run_dir / "metrics.jsonl").exists()
@@ -317,7 +282,7 @@ def test_every_command_refuses_bad_input_in_one_sentence_before_any_work(tmp_pat
     args = make_args(tmp_path)
     before = contents(tmp_path), sorted(tmp_path.rglob("*"))
     done = zoa_here(capsys, *args)
-    check_one_sentence(done, message.replace("…", str(tmp_path)))
+    refused(done, message.replace("…", str(tmp_path)))
     check_documented("commands", case, done.stderr)
     assert (contents(tmp_path), sorted(tmp_path.rglob("*"))) == before  # not a file or directory more
 
@@ -326,7 +291,7 @@ def test_every_command_refuses_bad_input_in_one_sentence_before_any_work(tmp_pat
     "device,message", [("tpu", "--device must be cpu, cuda or cuda:N, not 'tpu'"), ("meta", "--device meta: this machine has no such device")]
 )
 def test_bench_optim_refuses_a_device_it_cannot_time(capsys, device, message):
-    check_one_sentence(zoa_here(capsys, "bench", "optim", "--device", device), message)
+    refused(zoa_here(capsys, "bench", "optim", "--device", device), message)
 
 
 # ---- a refused resume leaves the run directory as it was (issue 35) --------------------------------
@@ -405,6 +370,7 @@ RESUME_REFUSALS = {
 }
 
 
+@pytest.mark.slow  # one_rank_run trains first
 @pytest.mark.parametrize("case", sorted(RESUME_REFUSALS))
 def test_a_refused_resume_leaves_the_run_directory_as_it_was(one_rank_run, tmp_path, cache_dir, capsys, one_rank, case):
     import shutil
@@ -417,7 +383,7 @@ def test_a_refused_resume_leaves_the_run_directory_as_it_was(one_rank_run, tmp_p
     before = contents(run_dir)
     checkpoint = run_dir / "checkpoints" / "step_00000001"
     done = zoa_here(capsys, "run", RECIPE, "--out", str(run_dir), "--resume", str(checkpoint), *quick(cache_dir, "train.steps=3", *settings))
-    check_one_sentence(done, message)
+    refused(done, message)
     check_documented("resume", case, done.stderr)
     assert contents(run_dir) == before
     assert not (tmp_path / "called").exists()
@@ -501,7 +467,7 @@ def test_a_run_directory_with_brackets_is_named_as_it_is(tmp_path, capsys):
     run_dir.mkdir()
     (run_dir / "notes.txt").write_text("kept")
     done = zoa_here(capsys, "run", RECIPE, "--out", str(run_dir))
-    check_one_sentence(done, f"{run_dir} is not empty")
+    refused(done, f"{run_dir} is not empty")
     assert (run_dir / "notes.txt").read_text() == "kept"
 
 
@@ -617,6 +583,7 @@ def test_a_1bit_collective_of_negative_size_is_refused(sizes):
         OneBitAllReduce(sizes)
 
 
+@pytest.mark.slow  # a 2-step run
 def test_run_warns_of_a_setting_too_few_outer_steps_train(one_rank, tmp_path, cache_dir, capsys, caplog):
     """The recipe's own optimizer's plan warning, said once by rank 0 before training (plan: tests/test_plan.py)."""
     done = zoa_here(capsys, "run", RECIPE, "--out", str(tmp_path / "run"), *quick(cache_dir, "optimizer.name=diloco"))

@@ -1,9 +1,7 @@
 """Every subcommand answers --help, and --version prints the package version."""
 
-import subprocess
-import sys
-
 import pytest
+from conftest import zoa
 from typer.testing import CliRunner
 
 import zoa_train
@@ -44,7 +42,7 @@ def test_version():
 @pytest.mark.parametrize("args", [["run"], ["bench", "optim", "--no-such-option"]], ids=["missing argument", "unknown option"])
 def test_usage_errors_are_one_message_and_exit_code_2(args):
     # through the console entry point, as a user meets it (not CliRunner, which catches by itself)
-    result = subprocess.run([sys.executable, "-c", "from zoa_train.cli import run; run()", *args], capture_output=True, text=True)
+    result = zoa(*args)
     assert result.returncode == 2, result.stderr
     assert "Error:" in result.stderr and "Traceback" not in result.stderr and "─" not in result.stderr
 

@@ -33,11 +33,6 @@ SENTENCE = "It is a truth universally acknowledged, that a single man in possess
 
 
 @pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
 def gpt2(cache_dir):
     return prepare_lm_data(TextSource("bundled"), "gpt2", cache_dir, vocab_size=8192)
 

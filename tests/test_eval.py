@@ -1,23 +1,15 @@
 """`zoa-train eval imagenet` against a direct computation, alone and split over torchrun ranks."""
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torchvision
+from conftest import TORCHRUN, refused, zoa
 from PIL import Image
 
 from zoa_train.data.images import eval_transform, scan_image_folder
-
-ROOT = Path(__file__).resolve().parents[1]
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "zoa_train.cli")
-
-
-def zoa(*args: str, command=(sys.executable, "-m", "zoa_train.cli")) -> subprocess.CompletedProcess:
-    return subprocess.run([*command, *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +57,7 @@ def direct(model_file: Path, val_folder: Path) -> dict:
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("ranks", [1, 2])
 def test_eval_imagenet_equals_a_direct_computation(tmp_path, model_file, val_folder, ranks):
     out = tmp_path / "eval.json"
@@ -104,12 +97,14 @@ def test_eval_imagenet_bad_input_is_one_sentence(tmp_path, model_file, val_folde
     }
     for name, (args, message) in cases.items():
         done = zoa("eval", "imagenet", *args, "--workers", "0")
-        assert done.returncode == 2, (name, done.stderr)
-        assert message in done.stderr and "Traceback" not in done.stderr, (name, done.stderr)
+        if name == "not a model":  # the message ends with torch's own text, several sentences: only what was checked before
+            assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+        else:
+            refused(done, message)
 
     broken = tmp_path / "broken"
     (broken / "cat").mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(broken / "cat" / "good.png")
     (broken / "cat" / "bad.png").write_bytes(b"not an image at all")
     done = zoa("eval", "imagenet", "--checkpoint", str(model_file), "--data", str(broken), "--workers", "1")
-    assert done.returncode == 2 and "bad.png" in done.stderr and "Traceback" not in done.stderr, done.stderr
+    refused(done, "bad.png")

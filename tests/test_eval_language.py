@@ -8,13 +8,12 @@ import json
 import math
 import os
 import socket
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import refused, zoa, zoa_here
 
 from zoa_train.evaluation.language import (
     Window,
@@ -55,21 +54,6 @@ CORPUS = [
 ] * 4
 
 
-def zoa(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zoa_train.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600, env=env)
-
-
-def cli(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """The console entry point in this process, as a user meets it: (exit code, stdout, stderr)."""
-    from zoa_train.cli import run
-
-    monkeypatch.setattr(sys, "argv", ["zoa-train", *args])
-    with pytest.raises(SystemExit) as exit_:
-        run()
-    captured = capsys.readouterr()
-    return exit_.value.code, captured.out, captured.err
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -94,7 +78,7 @@ def gpt2(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory) -> Path:
+def run_dir(tmp_path_factory, cache_dir) -> Path:
     """A real gpt2_tiny run directory after 2 training steps, trained by one rank in the command's own
     process (as under torchrun with one process: the cheapest, no rank is spawned)."""
     tmp = tmp_path_factory.mktemp("gpt2run")
@@ -105,7 +89,7 @@ def run_dir(tmp_path_factory) -> Path:
         "train.val_batches=1",
         "logging.wandb=disabled",
         "logging.tensorboard=false",
-        f"data.cache_dir={tmp / 'cache'}",
+        f"data.cache_dir={cache_dir}",
     ]
     one_rank = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(tmp / "run"), *[a for s in sets for a in ("--set", s)], env=one_rank)
@@ -348,6 +332,7 @@ def test_lambada_contexts_are_cut_from_the_left(tokenizer):
 
 
 # --- The commands end to end -------------------------------------------------------------------------
+@pytest.mark.slow  # run_dir trains
 def test_eval_wikitext_end_to_end(run_dir, loaded, data_files, tmp_path):
     out = tmp_path / "wikitext.json"
     done = zoa(
@@ -398,12 +383,12 @@ def test_eval_wikitext_end_to_end(run_dir, loaded, data_files, tmp_path):
         assert jsonl["lm_eval"][key] == pytest.approx(result["lm_eval"][key], rel=1e-5)
 
 
-def test_eval_lambada_end_to_end(run_dir, loaded, data_files, tmp_path, monkeypatch, capsys):
+@pytest.mark.slow
+def test_eval_lambada_end_to_end(run_dir, loaded, data_files, tmp_path, capsys):
     # Through the console entry point in this process (the wikitext test above starts a fresh one).
     out = tmp_path / "lambada.json"
     checkpoint = run_dir / "checkpoints" / "step_00000002"
-    code, stdout, stderr = cli(
-        monkeypatch,
+    done = zoa_here(
         capsys,
         "eval",
         "lambada",
@@ -418,8 +403,8 @@ def test_eval_lambada_end_to_end(run_dir, loaded, data_files, tmp_path, monkeypa
         "--json",
         str(out),
     )
-    assert code == 0, stderr
-    assert "accuracy" in stdout and "perplexity" in stdout
+    assert done.returncode == 0, done.stderr
+    assert "accuracy" in done.stdout and "perplexity" in done.stdout
     result = json.loads(out.read_text())
     assert result["protocol"].startswith("LAMBADA") and result["checkpoint"] == str(checkpoint / "model.pt") and result["step"] == 2
     lengths = [len(loaded.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in LAMBADA]
@@ -444,7 +429,8 @@ def bert_dir(tmp_path_factory, tokenizer) -> Path:
     return path
 
 
-def test_bad_input_is_one_sentence_and_exit_code_2(run_dir, data_files, bert_dir, tmp_path, monkeypatch, capsys):
+@pytest.mark.slow
+def test_bad_input_is_one_sentence_and_exit_code_2(run_dir, data_files, bert_dir, tmp_path, capsys):
     bad_lines = tmp_path / "bad.jsonl"
     bad_lines.write_text('{"text": "a fine example"}\n{"sentence": "no text field here"}\n')
     empty = tmp_path / "empty.jsonl"
@@ -478,8 +464,5 @@ def test_bad_input_is_one_sentence_and_exit_code_2(run_dir, data_files, bert_dir
             "is not UTF-8 text",
         ),
     }
-    for name, (args, message) in cases.items():
-        code, _, err = cli(monkeypatch, capsys, "eval", *args)
-        assert code == 2, (name, err)
-        assert message in err and "Traceback" not in err, (name, err)
-        assert err.startswith("error:") and err.strip().count("\n") == 0 and err.strip().endswith("."), (name, err)
+    for args, message in cases.values():
+        refused(zoa_here(capsys, "eval", *args), message)

@@ -5,12 +5,12 @@ one-sentence refusals that leave the output directory as it was."""
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from conftest import ROOT, ZOA, refused, zoa
 from typer.testing import CliRunner
 
 from zoa_train.cli import app
@@ -19,12 +19,7 @@ from zoa_train.evaluation import checkpoints
 from zoa_train.evaluation.checkpoints import load_language_model
 from zoa_train.evaluation.export import RECORD, export_language_model
 
-ROOT = Path(__file__).resolve().parents[1]
 SENTENCE = "It is a truth universally acknowledged, that a single man in possession of a good fortune must be in want of a wife."
-
-
-def zoa(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zoa_train.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 # The two tiny runs, started together (they are mostly process start-up and rendezvous) in their own
@@ -48,7 +43,7 @@ RUNS = {
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory, cache_dir) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("runs")
     started = {}
     for name, (recipe, nproc, extra) in RUNS.items():
@@ -59,13 +54,11 @@ def runs(tmp_path_factory) -> dict[str, Path]:
             "train.val_batches=1",
             "logging.wandb=disabled",
             "logging.tensorboard=false",
-            f"data.cache_dir={root / ('cache-' + name)}",
+            f"data.cache_dir={cache_dir / name}",
             *extra,
         ]
         command = [
-            sys.executable,
-            "-m",
-            "zoa_train.cli",
+            *ZOA,  # started together, so not through zoa(), which waits
             "run",
             recipe,
             "--out",
@@ -114,6 +107,7 @@ def assert_same_weights(model: torch.nn.Module, state: dict) -> None:
         torch.testing.assert_close(exported[key], value, rtol=0, atol=0, msg=key)
 
 
+@pytest.mark.slow
 def test_gpt2_round_trip(gpt2_run, tmp_path):
     out = tmp_path / "hf" / "gpt2"  # parents are created
     result = export(str(gpt2_run), str(out))
@@ -140,6 +134,7 @@ def test_gpt2_round_trip(gpt2_run, tmp_path):
     assert generate("It is", max_new_tokens=2, do_sample=False)[0]["generated_text"].startswith("It is")
 
 
+@pytest.mark.slow
 def test_bert_pretraining_round_trip(bert_run, tmp_path):
     out = tmp_path / "bert"
     export(str(bert_run / "checkpoints" / "step_00000002" / "model.pt"), str(out))  # the model-file form
@@ -161,6 +156,7 @@ def test_bert_pretraining_round_trip(bert_run, tmp_path):
         torch.testing.assert_close(masked(**ids).logits, expected.prediction_logits, rtol=0, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_checkpoint_inside_a_local_period_exports_the_ranks_average(gpt2_run, tmp_path):
     checkpoint = gpt2_run / "checkpoints" / "step_00000002"
     ranks = [torch.load(checkpoint / f"rank_0000{r}.pt", weights_only=False)["model"] for r in (0, 1)]
@@ -179,6 +175,7 @@ def test_checkpoint_inside_a_local_period_exports_the_ranks_average(gpt2_run, tm
     assert any(not torch.equal(exported[k], rank0_model_pt[k]) for k in rank0_model_pt)
 
 
+@pytest.mark.slow
 def test_overwrite_replaces_and_a_failed_export_changes_nothing(gpt2_run, tmp_path, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
@@ -205,6 +202,7 @@ def test_overwrite_replaces_and_a_failed_export_changes_nothing(gpt2_run, tmp_pa
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and leftovers(tmp_path) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inside", [".", "checkpoints", "tokenizer", "checkpoints/step_00000003"])
 def test_overwrite_never_replaces_what_the_export_reads(gpt2_run, inside):
     out = gpt2_run / inside
@@ -214,27 +212,19 @@ def test_overwrite_never_replaces_what_the_export_reads(gpt2_run, inside):
     assert sorted(str(p.relative_to(gpt2_run)) for p in gpt2_run.rglob("*")) == before
 
 
-def assert_one_sentence_exit_2(done: subprocess.CompletedProcess, *fragments: str) -> None:
-    message = done.stderr.strip()
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert "Traceback" not in done.stderr and len(message.splitlines()) == 1, message
-    assert message.startswith("error: ") and message.endswith(".") and ". " not in message, message
-    for fragment in fragments:
-        assert fragment in message, message
-
-
 def test_missing_checkpoint(tmp_path):
     done = zoa("export", str(tmp_path / "nowhere"), str(tmp_path / "out"))
-    assert_one_sentence_exit_2(done, "nowhere", "no such file or directory")
+    refused(done, "nowhere", "no such file or directory")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_non_empty_out_dir_without_overwrite_is_left_alone(gpt2_run, tmp_path):
     out = tmp_path / "taken"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     done = zoa("export", str(gpt2_run), str(out))
-    assert_one_sentence_exit_2(done, str(out), "not empty", "--overwrite")
+    refused(done, str(out), "not empty", "--overwrite")
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]
 
@@ -247,10 +237,11 @@ def test_resnet_run_is_refused(tmp_path):
     (checkpoint / "COMPLETE").write_text("step 1\nworld_size 1\n")
     torch.save({"fc.weight": torch.zeros(10, 512)}, checkpoint / "model.pt")
     done = zoa("export", str(run), str(tmp_path / "out"))
-    assert_one_sentence_exit_2(done, "resnet18", "needs a run of a language model (GPT-2, BERT, Llama, Hugging Face causal LM)")
+    refused(done, "resnet18", "needs a run of a language model (GPT-2, BERT, Llama, Hugging Face causal LM)")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["resnet"]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_that_rotation_removes_while_it_is_read_gives_way_to_the_newest(gpt2_run, tmp_path, monkeypatch, caplog):
     """A run still training writes step 5 and its rotation removes step 3 right after export chose step 3:
     the export reads the newest complete checkpoint once more (its files then held open) and says so."""

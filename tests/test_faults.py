@@ -7,14 +7,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import zoa
 
 from zoa_train.train.rundir import read_marker
 
+pytestmark = pytest.mark.slow  # every test trains 2-rank runs
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def zoa(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zoa_train.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def exploding(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
@@ -34,11 +33,6 @@ def exploding(run_dir: Path, cache_dir: Path, *extra: str) -> list[str]:
         *extra,
     ]
     return ["run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *[a for s in sets for a in ("--set", s)]]
-
-
-@pytest.fixture(scope="module")
-def cache_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("zoa-cache")
 
 
 def test_a_nonfinite_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, cache_dir):

@@ -160,6 +160,7 @@ def _relative_error(outs, exact) -> float:
     return (torch.linalg.vector_norm(torch.cat(outs) - torch.cat(exact)) / torch.linalg.vector_norm(torch.cat(exact))).item()
 
 
+@pytest.mark.slow
 def test_every_rank_ends_with_the_same_average_close_to_the_exact_one(ranks):
     for key in ("2x2", "cyclic", "2x2 bf16"):
         _identical(ranks, key)
@@ -171,12 +172,14 @@ def test_every_rank_ends_with_the_same_average_close_to_the_exact_one(ranks):
         assert error < 1.1 * flat, f"{key}: relative error {error:.3f}, flat {flat:.3f}"
 
 
+@pytest.mark.slow
 def test_packed_tensors_are_averaged_as_their_laid_out_buffers(ranks):
     for rank in ranks:
         for a, b in zip(*rank["packed"]):
             assert torch.equal(a, b)
 
 
+@pytest.mark.slow
 def test_the_output_padding_is_zero(ranks):
     for out, layout in zip(ranks[0]["2x2"][0], [onebit_layout(s, 4) for s in SIZES]):
         real = torch.zeros(layout.padded, dtype=torch.bool)
@@ -186,6 +189,7 @@ def test_the_output_padding_is_zero(ranks):
         assert out[real].all()
 
 
+@pytest.mark.slow
 def test_one_rank_per_node_is_the_flat_allreduce_bit_for_bit(ranks):
     for rank in ranks:
         (hier_calls, hier_state), (flat_calls, flat_state) = rank["4x1"], rank["flat"]
@@ -197,6 +201,7 @@ def test_one_rank_per_node_is_the_flat_allreduce_bit_for_bit(ranks):
             assert torch.equal(h["shard"]["server_error"], f["server_error"])
 
 
+@pytest.mark.slow
 def test_one_node_is_the_exact_average(ranks):
     _identical(ranks, "1x4")
     for call in range(2):
@@ -204,6 +209,7 @@ def test_one_node_is_the_exact_average(ranks):
             torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_with_an_exact_collective_between_nodes_it_is_the_exact_average(ranks):
     _identical(ranks, "2x2 exact inter")
     for call in range(2):
@@ -211,6 +217,7 @@ def test_with_an_exact_collective_between_nodes_it_is_the_exact_average(ranks):
             torch.testing.assert_close(got, exact, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_error_feedback_running_mean_converges(ranks):
     rel = ranks[0]["feedback"]
     assert rel[0] > 0.3  # one call really is lossy
@@ -218,6 +225,7 @@ def test_error_feedback_running_mean_converges(ranks):
     assert rel[59] < rel[14] / 2  # the carried error stays bounded: the running mean's error falls like 1/K
 
 
+@pytest.mark.slow
 def test_a_restored_collective_continues_exactly_and_another_topology_is_refused(ranks):
     for rank in ranks:
         original, restored = rank["resume"]
@@ -228,6 +236,7 @@ def test_a_restored_collective_continues_exactly_and_another_topology_is_refused
         assert "nodes [[0, 1], [2, 3]]" in rank["regrouped refuses"] and "nodes [[0, 2], [1, 3]]" in rank["regrouped refuses"]
 
 
+@pytest.mark.slow
 def test_between_nodes_a_rank_sends_a_node_share_of_the_flat_bytes(ranks):
     by_kind, inter_bytes, intra_bytes = ranks[0]["2x2 ledger"]
     flat_bytes = ranks[0]["flat bytes"]
@@ -239,6 +248,7 @@ def test_between_nodes_a_rank_sends_a_node_share_of_the_flat_bytes(ranks):
     assert sum(ranks[r]["2x2 ledger"][0]["onebit_allreduce"]["elements"] for r in (0, 1)) == 3 * NUMEL
 
 
+@pytest.mark.slow
 def test_full_precision_rounds_are_node_aware_exact_and_the_same_on_every_rank(ranks):
     exact = ranks[0]["fp"][1]
     for name, tolerance in (("node-aware", 1e-6), ("node-aware bf16", 1e-2), ("flat", 1e-6)):
@@ -258,6 +268,7 @@ def test_full_precision_rounds_are_node_aware_exact_and_the_same_on_every_rank(r
         assert rank["fp"][0]["flat"][1][:2] == (pytest.approx(32 * 1000 / NUMEL), 2 * 3 * 1001 * 4 // 4)
 
 
+@pytest.mark.slow
 def test_cluster_collective_builds_what_the_recipe_says(ranks):
     assert ranks[0]["factory"] == ("HierarchicalOneBitAllReduce", "hierarchical 1-bit sync, 2 nodes x 2 ranks")
     assert ranks[0]["factory flat"] == "OneBitAllReduce"

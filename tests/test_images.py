@@ -9,6 +9,7 @@ from contextlib import closing
 import numpy as np
 import pytest
 import torch
+from conftest import one_sentence
 from PIL import Image
 
 from zoa_train.data.images import (
@@ -43,8 +44,8 @@ def write_png(path, pixels: np.ndarray) -> None:
 
 
 @pytest.fixture(scope="module")
-def digits_root(tmp_path_factory):
-    return prepare_digits(tmp_path_factory.mktemp("cache"))
+def digits_root(cache_dir):
+    return prepare_digits(cache_dir)
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +70,6 @@ def assert_same_batches(actual, expected) -> None:
     for a, e in zip(actual, expected):
         assert a.keys() == e.keys() == {"pixel_values", "labels"}
         assert torch.equal(a["pixel_values"], e["pixel_values"]) and torch.equal(a["labels"], e["labels"])
-
-
-def assert_one_sentence(message: str, path) -> None:
-    assert str(path) in message and "\n" not in message and message.endswith("."), message
 
 
 # --- the bundled digits -------------------------------------------------------------------------
@@ -136,7 +133,7 @@ def test_scan_errors_are_one_sentence_naming_the_path(tmp_path):
     write_png(flat / "image.png", np.zeros((4, 4, 3), np.uint8))  # an image, but not in a class folder
     with pytest.raises(UserError, match="no class subfolders") as error:
         scan_image_folder(flat)
-    assert_one_sentence(str(error.value), flat)
+    one_sentence(str(error.value), str(flat))
 
     no_images = tmp_path / "no_images"
     for name in ("a", "b"):
@@ -144,14 +141,14 @@ def test_scan_errors_are_one_sentence_naming_the_path(tmp_path):
         (no_images / name / "readme.txt").write_text("text")
     with pytest.raises(UserError, match="has no image files in its class subfolders") as error:
         scan_image_folder(no_images)
-    assert_one_sentence(str(error.value), no_images)
+    one_sentence(str(error.value), str(no_images))
 
     one_empty = tmp_path / "one_empty"
     write_png(one_empty / "full" / "x.png", np.zeros((4, 4, 3), np.uint8))
     (one_empty / "hollow").mkdir()
     with pytest.raises(UserError, match=re.escape(f"Class folder {one_empty / 'hollow'} has no image files")) as error:
         scan_image_folder(one_empty)
-    assert_one_sentence(str(error.value), one_empty / "hollow")
+    one_sentence(str(error.value), str(one_empty / "hollow"))
 
 
 def test_train_and_val_must_have_the_same_classes(tmp_path):
@@ -160,7 +157,7 @@ def test_train_and_val_must_have_the_same_classes(tmp_path):
             write_png(tmp_path / split / name / "x.png", np.zeros((4, 4, 3), np.uint8))
     with pytest.raises(UserError, match="only in train: b") as error:
         ImageFolderData.scan(tmp_path)
-    assert_one_sentence(str(error.value), tmp_path / "val")
+    one_sentence(str(error.value), str(tmp_path / "val"))
 
 
 # --- transforms ---------------------------------------------------------------------------------
@@ -291,7 +288,7 @@ def test_truncated_image_is_unreadable_too(tmp_path):
     dataset = ImageDataset([(str(cut), 0)], raw_pixels)
     with pytest.raises(UnreadableImage, match=re.escape(f"Image file {cut} is corrupt or unreadable (")) as error:
         dataset[(0, 0)]
-    assert_one_sentence(str(error.value), cut)
+    one_sentence(str(error.value), str(cut))
 
 
 def test_worker_wrapped_message_is_unwrapped():

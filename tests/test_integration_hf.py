@@ -63,6 +63,7 @@ def zero_one_run(tmp_path_factory) -> tuple[Path, str]:
     return out, torchrun(HF_EXAMPLE, "--output-dir", str(out), "--steps", "24", "--save-steps", "12", "--eval-steps", "10")
 
 
+@pytest.mark.slow
 def test_zoa_trainer_zero_one_adam_ends_on_one_model_below_one_bit(zero_one_run):
     out, stdout = zero_one_run
     first, second = digests(stdout).values()
@@ -82,6 +83,7 @@ def test_zoa_trainer_zero_one_adam_ends_on_one_model_below_one_bit(zero_one_run)
         assert {"zoa_rank_00000.pt", "zoa_rank_00001.pt", "optimizer.pt"} <= {p.name for p in (out / f"checkpoint-{step}").iterdir()}
 
 
+@pytest.mark.slow
 def test_zoa_trainer_resumes_a_checkpoint_exactly(zero_one_run, tmp_path):
     # Resumed inside 0/1 Adam's local-step schedule: each rank must get its own 1-bit error buffers back
     # (from rank 0's optimizer.pt alone the run would continue otherwise).
@@ -92,6 +94,7 @@ def test_zoa_trainer_resumes_a_checkpoint_exactly(zero_one_run, tmp_path):
     assert training_logs(tmp_path / "resumed")[-1] == training_logs(out)[-1]
 
 
+@pytest.mark.slow
 def test_zoa_trainer_onebit_adam_of_its_own_with_bf16_and_accumulation(tmp_path):
     out = tmp_path / "run"
     mode = ("--optimizer", "onebit_adam", "--own-optimizer", "--bf16", "--accumulation", "2")  # optimizers=(OneBitAdam(...), None)
@@ -105,6 +108,7 @@ def test_zoa_trainer_onebit_adam_of_its_own_with_bf16_and_accumulation(tmp_path)
     assert_learns([r["loss"] for r in logs])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overlap", [[], ["--overlap"]], ids=["in_step", "overlapped"])
 def test_accelerate_example_without_ddp(tmp_path, overlap):
     stdout = torchrun(ACCELERATE_EXAMPLE, "--steps", "24", "--accumulation", "2", *overlap)
@@ -150,6 +154,7 @@ accelerator.end_training()  # destroys the process group: Gloo threads alive at 
 """
 
 
+@pytest.mark.slow
 def test_accelerate_checkpoints_keep_each_ranks_own_state(tmp_path):
     script = tmp_path / "checkpoint.py"
     script.write_text(f"DIRECTORY = {str(tmp_path / 'state')!r}\n" + ACCELERATE_CHECKPOINT)
@@ -199,6 +204,7 @@ accelerator.end_training()
 """
 
 
+@pytest.mark.slow
 def test_every_rank_starts_from_rank_0s_parameters_and_buffers(tmp_path):
     # As DDP's construction gives: ZoaTrainer and prepare_accelerate over models each rank initialised its own way.
     script = tmp_path / "start.py"

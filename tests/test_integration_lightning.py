@@ -71,6 +71,7 @@ def zero_one_run(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_zero_one_adam_ends_on_one_model_below_one_bit(zero_one_run):
     assert_identical(*final_parameters(zero_one_run))
     logs = step_logs(zero_one_run)
@@ -83,6 +84,7 @@ def test_zero_one_adam_ends_on_one_model_below_one_bit(zero_one_run):
     assert last["rounds"] < 24 and last["variance_updates"] == 4 and last["bytes_sent"] > 0
 
 
+@pytest.mark.slow
 def test_checkpoints_carry_every_ranks_own_state(zero_one_run):
     checkpoint = torch.load(zero_one_run / "checkpoints" / "epoch=0.ckpt", weights_only=False)
     state = checkpoint["optimizer_states"][0]
@@ -92,6 +94,7 @@ def test_checkpoints_carry_every_ranks_own_state(zero_one_run):
     assert repr(errors[0]) != repr(errors[1])  # each rank's 1-bit error buffers are its own
 
 
+@pytest.mark.slow
 def test_resume_from_a_lightning_checkpoint_equals_the_uninterrupted_run(zero_one_run, tmp_path):
     out = tmp_path / "resumed"
     torchrun("--out", str(out), "--epochs", "3", "--resume", str(zero_one_run / "checkpoints" / "epoch=0.ckpt"))
@@ -101,6 +104,7 @@ def test_resume_from_a_lightning_checkpoint_equals_the_uninterrupted_run(zero_on
     assert step_logs(out)[23] == step_logs(zero_one_run)[23]  # the ledger resumed too
 
 
+@pytest.mark.slow
 def test_onebit_adam_with_bf16_gradient_accumulation_and_clipping(tmp_path):
     """1-bit Adam, 256 blocks in batches of 4 accumulated 2 at a time, gradients clipped: 16 steps, full precision up to step 4."""
     out = tmp_path / "onebit"
@@ -223,6 +227,7 @@ torch.save(model.state_dict(), sys.argv[1] + f"/state{dist.get_rank()}.pt")
 """
 
 
+@pytest.mark.slow
 def test_every_rank_starts_from_rank_zeros_parameters_and_buffers(tmp_path):
     """As under DDP: a model initialised differently on each rank trains from rank 0's parameters and buffers."""
     script = tmp_path / "rank_buffers.py"

@@ -11,17 +11,18 @@ import json
 import os
 import re
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import zoa
 
 pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed: pip install -e '.[dev]' (the dev extra's lm-eval[hf])")
 pytest.importorskip("accelerate", reason="lm-eval's hf model needs accelerate: pip install -e '.[dev]' (the dev extra's lm-eval[hf])")
 
 from zoa_train.data.sources import bundled_paragraphs  # noqa: E402
 from zoa_train.evaluation.language import evaluate_lambada, evaluate_wikitext  # noqa: E402
+
+pytestmark = pytest.mark.slow  # its fixtures train and export a run
 
 ROOT = Path(__file__).resolve().parents[1]
 SEQ_LEN = 16  # lm-eval's max_length and zoa-train's --seq-len: documents span several windows
@@ -135,7 +136,7 @@ def offline():
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory, offline) -> Path:
+def exported(tmp_path_factory, cache_dir, offline) -> Path:
     """A real gpt2_tiny run of 2 steps (one rank in the command's own process), exported as a Hugging Face directory."""
     from zoa_train.evaluation.export import export_language_model
 
@@ -146,11 +147,10 @@ def exported(tmp_path_factory, offline) -> Path:
         "train.val_batches=1",
         "logging.wandb=disabled",
         "logging.tensorboard=false",
-        f"data.cache_dir={tmp / 'cache'}",
+        f"data.cache_dir={cache_dir}",
     ]
     one_rank = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    command = [sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(tmp / "run"), *[a for s in sets for a in ("--set", s)]]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600, env=one_rank)
+    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(tmp / "run"), *[a for s in sets for a in ("--set", s)], env=one_rank)
     assert done.returncode == 0, done.stderr[-3000:]
     export_language_model(tmp / "run", tmp / "hf")
     return tmp / "hf"

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import refused, zoa_here
 from rich.console import Console
 
 from zoa_train.bench import netsim
@@ -236,15 +237,9 @@ def test_root_and_iproute2_are_required(monkeypatch):
         (["--target-loss", "4.4", "--optimizers", "adam,zero_one_adam"], "--target-loss stands in for adam's run"),
     ],
 )
-def test_bad_input_is_one_sentence_and_exit_2(monkeypatch, capsys, tmp_path, args, message):
-    from zoa_train import cli
-
+def test_bad_input_is_one_sentence_and_exit_2(capsys, tmp_path, args, message):
     sizes = [] if "--comm-sizes" in args else ["--comm-sizes", "none"]  # no model built for the default size: faster
-    monkeypatch.setattr(sys, "argv", ["zoa-train", "bench", "netsim", "--out", str(tmp_path), *sizes, *args])
-    with pytest.raises(SystemExit) as exit_:
-        cli.run()
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and message in err and "Traceback" not in err, err
+    refused(zoa_here(capsys, "bench", "netsim", "--out", str(tmp_path), *sizes, *args), message)
     assert not any(tmp_path.iterdir())  # refused before anything was created
 
 
@@ -309,6 +304,7 @@ def netsim_run(tmp_path_factory):
     return proc, stdout, stderr, out
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_every_optimizer_trains_over_the_emulated_links(netsim_run):
     proc, stdout, stderr, out = netsim_run
@@ -332,6 +328,7 @@ def test_every_optimizer_trains_over_the_emulated_links(netsim_run):
     assert rows["zero_one_adam"]["rounds"] < rows["onebit_adam"]["rounds"] == adam["rounds"] == 6
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_onebit_allreduce_beats_fp32_on_the_same_100mbit_links(netsim_run):
     proc, stdout, stderr, _ = netsim_run
@@ -345,6 +342,7 @@ def test_onebit_allreduce_beats_fp32_on_the_same_100mbit_links(netsim_run):
     assert row["speedup"] > 5
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_nothing_is_left_after_a_run(netsim_run):
     proc, _, stderr, _ = netsim_run
@@ -352,6 +350,7 @@ def test_nothing_is_left_after_a_run(netsim_run):
     assert leftovers(f"zn{proc.pid}") == []
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_two_nodes_of_two_ranks_train_flat_and_node_aware(tmp_path):
     # 0/1 Adam on 2 namespaces of 2 ranks each: trained with the flat and with the node-aware sync, the
@@ -379,6 +378,7 @@ def test_two_nodes_of_two_ranks_train_flat_and_node_aware(tmp_path):
     assert row["node_aware_s"] > 0 and leftovers(f"zn{proc.pid}") == []
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_a_failing_rank_stops_the_others_and_the_network_goes(tmp_path):
     topo = netsim.topology(2)
@@ -394,6 +394,7 @@ def test_a_failing_rank_stops_the_others_and_the_network_goes(tmp_path):
     assert leftovers(topo.prefix) == [] and processes_mentioning("sleep 600") == []
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_a_run_failing_inside_the_ranks_exits_1_and_cleans_up(tmp_path):
     not_a_dir = tmp_path / "file"
@@ -417,6 +418,7 @@ def test_latency_without_netem_is_refused_and_cleaned_up(tmp_path):
     assert leftovers(f"zn{proc.pid}") == []
 
 
+@pytest.mark.slow
 @needs_namespaces
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupted_run_kills_its_ranks_and_cleans_up(tmp_path, sig):

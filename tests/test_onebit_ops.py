@@ -39,6 +39,7 @@ def ops():
     return {(n, case): counted for n in (2, 3) for case, counted in enumerate(run_ranks(_ops_per_call, n, CASES)[0])}
 
 
+@pytest.mark.slow
 def test_ops_per_call_do_not_grow_with_scale_segments_or_ranks(ops):
     few, many = sum(ops[2, 0].values()), sum(ops[2, 1].values())  # the torch path
     assert few == many, (few, many)
@@ -47,6 +48,7 @@ def test_ops_per_call_do_not_grow_with_scale_segments_or_ranks(ops):
     assert sum(ops[3, 1].values()) == many + 1 and sum(ops[3, 0].values()) == few + 1
 
 
+@pytest.mark.slow
 def test_fused_kernels_make_one_pass_each_and_the_two_collectives(ops):
     passes = {"zoa::onebit_worker": 1, "zoa::onebit_server": 1, "zoa::onebit_output": 1}
     for n, case in ((2, 2), (2, 3), (3, 2), (3, 3)):
@@ -88,6 +90,7 @@ def _train(rank, world_size, name, per_group):
     return params, momenta, errors, calls
 
 
+@pytest.mark.slow
 def test_one_onebit_call_per_step_for_all_groups_with_the_results_of_one_call_per_group():
     for name in ("zero_one", "onebit"):
         joined = run_ranks(_train, 2, name, False)

@@ -48,6 +48,7 @@ def _train_quadratic(rank, world_size, name, kwargs, steps, exact, lr_kwargs):
 LR = dict(name="exponential", lr=0.02, warmup_steps=5, decay_factor=0.5, decay_every=10)
 
 
+@pytest.mark.slow
 def test_exact_compressor_zero_one_adam_equals_adam_when_every_step_updates_the_variance():
     every_step = dict(var_freeze_step=1000, var_update_scaler=10**6)
     zero_one = run_ranks(_train_quadratic, 2, "zero_one", every_step, 50, True, LR)
@@ -59,6 +60,7 @@ def test_exact_compressor_zero_one_adam_equals_adam_when_every_step_updates_the_
         assert all(rec.variance_updated and rec.synced for rec in zero_one[r][2])
 
 
+@pytest.mark.slow
 def test_exact_compressor_zero_one_adam_follows_algorithm_1_through_freeze_and_local_steps():
     knobs = dict(var_freeze_step=12, var_update_scaler=2, local_steps="lr", local_step_clip=4)
     # update_clip off: Algorithm 1 has no clipping (and on this problem the clip would act); nor bias correction.
@@ -78,6 +80,7 @@ def restarting_lr(t: int) -> float:
     return 0.02 * 0.5 ** ((t % 24) // 4)
 
 
+@pytest.mark.slow
 def test_exact_compressor_zero_one_adam_follows_algorithm_1_when_the_interval_shrinks():
     knobs = dict(var_freeze_step=8, var_update_scaler=2, local_steps="lr", local_step_clip=8)
     algorithm_1 = dict(knobs, weight_decay=0.1, update_clip=None, bias_correction=False)
@@ -135,6 +138,7 @@ def _sync_invariants(rank, world_size, weight_decay, update_clip=None, ranks_per
     return snapshots, emb.weight.detach()[10:].clone(), frozen_rows * lr_products, opt.ledger.average_bits_per_param
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,update_clip,ranks_per_node", [(2, None, 0), (3, None, 0), (2, 0.05, 0), (4, None, 2)])
 def test_real_compression_keeps_ranks_bit_identical_and_zero_gradient_rows_still(world_size, update_clip, ranks_per_node):
     # update_clip 0.05 clips nearly every step, each rank by its own factors; 4 ranks as 2 nodes x 2
@@ -150,6 +154,7 @@ def test_real_compression_keeps_ranks_bit_identical_and_zero_gradient_rows_still
         assert 0 < bits < 8
 
 
+@pytest.mark.slow
 def test_the_fused_end_of_a_sync_trains_to_the_same_bits_as_the_torch_ops():
     # 1-bit syncs after local-step periods, weight decay (a decay factor at each sync), rows whose
     # variance stays zero (an infinite denominator), a tensor without gradient on some steps.
@@ -162,6 +167,7 @@ def test_the_fused_end_of_a_sync_trains_to_the_same_bits_as_the_torch_ops():
         assert torch.equal(fused[rank][1], plain[rank][1])
 
 
+@pytest.mark.slow
 def test_weight_decay_only_shrinks_zero_gradient_rows():
     snapshots, rows, decayed_rows, _ = run_ranks(_sync_invariants, 2, 0.1)[0]
     torch.testing.assert_close(rows, decayed_rows, rtol=1e-6, atol=1e-7)
@@ -183,6 +189,7 @@ def _largest_steps(rank, world_size, steps):
     return largest
 
 
+@pytest.mark.slow
 def test_compressed_steps_keep_rare_coordinates_at_adams_step_size():
     # Adam moves every coordinate by about lr however small its gradients; a 1-bit gradient of one
     # scale per row would give the rare half the busy half's size, divided by its small sqrt(v).
@@ -207,6 +214,7 @@ def _steps_after_a_gradient_jump(rank, world_size, update_clip):
     return sizes[4:]
 
 
+@pytest.mark.slow
 def test_update_clip_bounds_steps_taken_with_a_stale_variance():
     # Adam's step is about lr whatever the gradient does; with v from before a 1,000x jump, m/d
     # is ~100 per coordinate until the next variance update.
@@ -232,6 +240,7 @@ def _momentum_under_weight_decay(rank, world_size, weight_decay):
     return out
 
 
+@pytest.mark.slow
 def test_weight_decay_does_not_leak_into_the_rebuilt_momentum():
     plain = run_ranks(_momentum_under_weight_decay, 2, 0.0)[0]
     decayed = run_ranks(_momentum_under_weight_decay, 2, 0.5)[0]
@@ -264,6 +273,7 @@ def _resume(rank, world_size, steps, save_at, path, load, ranks_per_node=0):
     return [p.detach().clone() for p in model.parameters()], opt.ledger.summary()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size,ranks_per_node", [(2, 0), (4, 2)])
 def test_resume_inside_a_local_period_continues_the_same_trajectory(tmp_path, world_size, ranks_per_node):
     path = str(tmp_path / "ckpt")
@@ -290,6 +300,7 @@ def _save_two_ranks(rank, world_size, path):
     return True
 
 
+@pytest.mark.slow
 def test_state_from_another_world_size_is_refused(tmp_path):
     path = str(tmp_path / "state.pt")
     run_ranks(_save_two_ranks, 2, path)
@@ -328,6 +339,7 @@ def _digits(rank, world_size, name, steps):
     return final, opt.ledger.average_bits_per_param, opt.ledger.rounds
 
 
+@pytest.mark.slow
 def test_zero_one_adam_converges_like_adam_on_digits_with_under_one_bit():
     steps = 300
     adam_loss, adam_bits, adam_rounds = run_ranks(_digits, 4, "adam", steps)[0]
@@ -357,6 +369,7 @@ def _batchnorm_statistics_over_steps(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_batchnorm_statistics_are_averaged_at_every_sync():
     ranks = run_ranks(_batchnorm_statistics_over_steps, 2)
     synced_steps = 0
@@ -402,6 +415,7 @@ def _adam_baseline_step(rank, world_size, bias_correction):
     return isinstance(opt.module, DistributedDataParallel), type(opt.optimizer).__name__, kind, grad, model.weight.detach().clone()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias_correction", [True, False])
 def test_adam_is_ddp_with_either_bias_correction(bias_correction):
     ranks = run_ranks(_adam_baseline_step, 2, bias_correction)
@@ -453,6 +467,7 @@ def _fp16_overflow_checks(rank, world_size):
     return log, scaler.scale, torch.cat([p.detach().reshape(-1) for p in model.parameters()]), opt.ledger.by_kind.get("overflow_check", {})
 
 
+@pytest.mark.slow
 def test_fp16_overflow_is_checked_collectively_only_on_steps_that_communicate():
     ranks = run_ranks(_fp16_overflow_checks, 2)
     for log, _, _, counted in ranks:
@@ -546,6 +561,7 @@ def _built_before_the_group(rank, world_size, port, bound):
     return {"built_over": built_over, "bound_over": early.world_size, "after": after, "before": before}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bound", ["bind", "first step"])
 def test_an_optimizer_built_before_the_process_group_joins_it(bound):
     from distributed_harness import free_port
@@ -557,6 +573,7 @@ def test_an_optimizer_built_before_the_process_group_joins_it(bound):
     assert torch.equal(ranks[0]["before"], ranks[1]["before"])  # and the ranks agree (rank 0's start was broadcast)
 
 
+@pytest.mark.slow
 def test_an_optimizer_that_stepped_before_the_process_group_is_refused_on_every_rank():
     from distributed_harness import free_port
 
@@ -588,6 +605,7 @@ def _different_models(rank, world_size):
     return errors
 
 
+@pytest.mark.slow
 def test_ranks_given_different_models_are_refused_when_the_optimizer_is_built():
     errors = run_ranks(_different_models, 2)
     assert errors[0] == errors[1]

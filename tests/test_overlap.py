@@ -102,6 +102,7 @@ def _paths(rank, world_size, ranks_per_node):
     return results
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("world_size", "ranks_per_node"), [(2, 0), (3, 0), (4, 2)])
 def test_overlapped_rounds_equal_the_same_buckets_in_step_bit_for_bit(world_size, ranks_per_node):
     every = run_ranks(_paths, world_size, ranks_per_node, timeout=600)
@@ -138,6 +139,7 @@ def _second_backward(rank, world_size):
     return message
 
 
+@pytest.mark.slow
 def test_a_second_backward_without_no_sync_is_refused():
     messages = run_ranks(_second_backward, 2)
     assert all(m and "no_sync()" in m for m in messages)
@@ -164,6 +166,7 @@ def _another_bucketing(rank, world_size):
     return refusals
 
 
+@pytest.mark.slow
 def test_another_bucketing_is_refused_as_a_change_of_layout_and_reshards():
     for refusals in run_ranks(_another_bucketing, 2):
         assert ["comm.bucket_cap_mb" in refusals[0], refusals[1], "comm.bucket_cap_mb" in refusals[2], refusals[3]] == [True] * 4, refusals

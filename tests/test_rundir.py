@@ -234,6 +234,7 @@ def _two_ranks(rank, world_size, path):
     return out
 
 
+@pytest.mark.slow
 def test_two_ranks_agree_on_damage_and_on_a_failed_save(tmp_path):
     from distributed_harness import run_ranks
 
@@ -272,6 +273,7 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "--lazy", str(mount)], check=True)
 
 
+@pytest.mark.slow
 def test_a_full_disk_fails_the_checkpoint_in_one_sentence_on_every_rank_and_keeps_the_earlier_one(small_disk):
     from distributed_harness import run_ranks
 

@@ -45,6 +45,7 @@ def _calls(rank, world_size, decay):
     return calls, ledger.summary(), dict(ledger.by_kind)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("decay", [1.0, 0.5])
 def test_topk_allreduce_matches_the_reference_on_every_rank(world_size, decay):
