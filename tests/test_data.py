@@ -431,6 +431,7 @@ load_or_train_tokenizer(sys.argv[1], None, bundled_paragraphs(), 2048, sys.argv[
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
 def test_a_trained_tokenizer_numbers_its_tokens_alike_in_every_process(kind, tmp_path):
     """Two processes (each its own hash-map seed in the tokenizers library) train the same ids:

@@ -95,12 +95,8 @@ def test_eval_imagenet_bad_input_is_one_sentence(tmp_path, model_file, val_folde
         "not a model": (["--checkpoint", str(val_folder / "cat" / "0.JPEG"), "--data", str(val_folder)], "is not a resnet18 model file"),
         "empty run dir": (["--checkpoint", str(tmp_path), "--data", str(val_folder)], "is neither a run directory"),
     }
-    for name, (args, message) in cases.items():
-        done = zoa("eval", "imagenet", *args, "--workers", "0")
-        if name == "not a model":  # the message ends with torch's own text, several sentences: only what was checked before
-            assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr, done.stderr
-        else:
-            refused(done, message)
+    for args, message in cases.values():
+        refused(zoa("eval", "imagenet", *args, "--workers", "0"), message)
 
     broken = tmp_path / "broken"
     (broken / "cat").mkdir(parents=True)

@@ -3,6 +3,7 @@ the one check of optimizer knobs that refuses a bad recipe at load, before any r
 
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +26,7 @@ RULES = [
 
 
 def gpt2_tiny(**optimizer) -> dict:
-    with open("recipes/gpt2_tiny.yaml") as f:
+    with open(Path(__file__).resolve().parents[1] / "recipes" / "gpt2_tiny.yaml") as f:
         data = yaml.safe_load(f)
     data["optimizer"] |= optimizer
     return data
@@ -99,6 +100,7 @@ def _drive(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_every_optimizer_gives_the_loop_its_lr_zero_grad_and_keeps_rounds_in_step():
     out = run_ranks(_drive, 1)[0]
     assert set(out) == set(registry.names())

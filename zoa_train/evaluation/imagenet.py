@@ -54,8 +54,9 @@ def evaluate_imagenet(
         model = create(model_section()(kind=kind), ModelInputs(num_classes=state["fc.weight"].shape[0]))
         model.load_state_dict(state)
     except Exception as e:  # noqa: BLE001 -- whatever torch.load or the state dict raise, the file is not this model
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UserError(f"{model_file} is not a {kind} model file: {first}") from None
+        # torch's own text may run to several sentences and lines: its first clause says enough
+        first = str(e).strip().splitlines()[0].split(". ")[0].rstrip(".") if str(e).strip() else type(e).__name__
+        raise UserError(f"{model_file} is not a {kind} model file ({first}).") from None
     if model.fc.out_features < len(classes):
         raise UserError(f"{model_file} has {model.fc.out_features} outputs but {data} has {len(classes)} classes.")
 
