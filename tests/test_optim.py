@@ -229,6 +229,64 @@ def test_update_clip_must_be_positive():
         ZeroOneAdam([torch.nn.Parameter(torch.zeros(2))], update_clip=0.0)
 
 
+def test_variance_weighted_by_steps_is_the_default_weighting_when_every_step_updates_it():
+    # Every step to the freeze at 20 updates v (gaps of 1), then local steps as the lr halves: the
+    # two weightings take the same steps to the bit, through the freeze and the local steps.
+    knobs = dict(var_freeze_step=20, var_update_scaler=10**6, local_steps="lr", local_step_clip=4)
+    runs = {w: run_ranks(_train_quadratic, 2, "zero_one", dict(knobs, var_update_weighting=w), 50, False, LR) for w in ("updates", "steps")}
+    assert any(not rec.synced for rec in runs["steps"][0][2])
+    for r in range(2):
+        assert torch.equal(runs["updates"][r][0], runs["steps"][r][0]) and torch.equal(runs["updates"][r][1], runs["steps"][r][1])
+
+
+VARIANCE_BETAS = (0.9, 0.8)  # a small b2, so that each weight in v is far from its neighbours
+
+
+def _variance_gradient(rank: int, t: int) -> torch.Tensor:
+    return torch.randn(6, generator=torch.Generator().manual_seed(10 * rank + t)) * (t + 1)
+
+
+def _variance_after_gaps(rank, world_size, weighting):
+    """Steps 0-7 with variance updates at 0, 1, 3 and 7 (kappa 1); at step 7: x before and after, m, v."""
+    x = torch.nn.Parameter(torch.zeros(6))
+    opt = ZeroOneAdam([x], lr=0.01, betas=VARIANCE_BETAS, var_freeze_step=100, var_update_scaler=1, var_update_weighting=weighting)
+    for t in range(8):
+        x.grad = _variance_gradient(rank, t)  # independent of x
+        before = x.detach().clone()
+        opt.step()
+    assert opt.last_step.variance_updated
+    m, v = (opt._flat[0].views(opt._buffers[0][name])[0].clone() for name in ("exp_avg", "exp_avg_sq"))
+    return before, x.detach().clone(), m, v
+
+
+@pytest.mark.parametrize("weighting", ["updates", "steps"])
+def test_variance_and_its_bias_correction_weigh_updates_or_steps(weighting):
+    b1, b2 = VARIANCE_BETAS
+    updates = [0, 1, 3, 7]
+    g2 = {t: ((_variance_gradient(0, t) + _variance_gradient(1, t)) / 2) ** 2 for t in updates}  # the averaged gradient, squared
+    if weighting == "updates":  # one Adam step per update: sum_j (1-b2) b2^(3-j) g_j^2, over 4 "steps"
+        v = sum((1 - b2) * b2 ** (3 - j) * g2[t] for j, t in enumerate(updates))
+        covered = 4
+    else:  # each step s of 0..7 holds the gradient of the first update at or after it: 0, 1, 3, 3, 7, 7, 7, 7
+        v = sum((1 - b2) * b2 ** (7 - s) * g2[next(t for t in updates if t >= s)] for s in range(8))
+        covered = 8
+    before, after, m, v_seen = run_ranks(_variance_after_gaps, 2, weighting)[0]
+    torch.testing.assert_close(v_seen, v, rtol=1e-6, atol=0)
+    # the variance step 7 moves x by lr/(1-b1^8) * m / (sqrt(v / (1-b2^covered)) + eps)
+    step = 0.01 / (1 - b1**8) * m / ((v / (1 - b2**covered)).sqrt() + 1e-8)
+    torch.testing.assert_close(before - after, step, rtol=1e-5, atol=1e-9)
+
+
+def test_var_update_weighting_must_be_updates_or_steps():
+    from zoa_train.config import recipe_from_dict
+    from zoa_train.errors import UserError
+
+    with pytest.raises(ValueError, match="var_update_weighting must be one of updates, steps, not 'step'"):
+        ZeroOneAdam([torch.nn.Parameter(torch.zeros(2))], var_update_weighting="step")
+    with pytest.raises(UserError, match=r"optimizer.var_update_weighting must be one of updates, steps, not 'step'\.$"):
+        recipe_from_dict({"optimizer": {"var_update_weighting": "step"}})
+
+
 def _momentum_under_weight_decay(rank, world_size, weight_decay):
     x = torch.nn.Parameter(torch.ones(64))
     opt = ZeroOneAdam([x], lr=0.01, weight_decay=weight_decay, var_freeze_step=4, var_update_scaler=1, local_steps="fixed", local_step_interval=2)
@@ -250,14 +308,20 @@ def test_weight_decay_does_not_leak_into_the_rebuilt_momentum():
         assert (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
-def _resume(rank, world_size, steps, save_at, path, load, ranks_per_node=0):
+def _resume(rank, world_size, steps, save_at, path, load, ranks_per_node=0, knobs=None, old_state=False):
+    """`knobs` override the optimizer's; `old_state` loads the state as saved before var_update_weighting."""
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     opt_kwargs = dict(lr=0.01, var_freeze_step=10, var_update_scaler=2, local_steps="fixed", local_step_interval=4, weight_decay=0.01)
-    opt = ZeroOneAdam(model.parameters(), **opt_kwargs, collective=_collective(ranks_per_node))
+    opt = ZeroOneAdam(model.parameters(), **{**opt_kwargs, **(knobs or {})}, collective=_collective(ranks_per_node))
     start = 0
     if load:
         ckpt = torch.load(f"{path}.rank{rank}", weights_only=False)
+        if old_state:
+            for group in ckpt["optimizer"]["param_groups"]:
+                del group["var_update_weighting"]
+            for scalars in ckpt["optimizer"]["zoa"]["scalars"]:
+                del scalars["variance_steps"]
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         start = save_at
@@ -268,7 +332,7 @@ def _resume(rank, world_size, steps, save_at, path, load, ranks_per_node=0):
         loss.backward()
         opt.step()
         if t + 1 == save_at and not load:
-            assert not opt.last_step.synced  # inside a local-step period
+            assert not opt.last_step.synced or t < opt.schedule.var_freeze_step  # inside a local-step period (none before the freeze)
             torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f"{path}.rank{rank}")
     return [p.detach().clone() for p in model.parameters()], opt.ledger.summary()
 
@@ -282,6 +346,27 @@ def test_resume_inside_a_local_period_continues_the_same_trajectory(tmp_path, wo
     for r in range(world_size):
         assert all(torch.equal(a, b) for a, b in zip(uninterrupted[r][0], resumed[r][0]))
         assert uninterrupted[r][1] == resumed[r][1]
+
+
+@pytest.mark.parametrize("weighting", ["updates", "steps"])
+def test_resume_between_variance_updates_continues_the_same_trajectory(tmp_path, weighting):
+    # Updates at 0, 1, 3, 7, 15 (kappa 1), the freeze at 30: saved at step 23, the resumed run's
+    # variance bias correction, and so its frozen denominator, must be the uninterrupted run's.
+    path, knobs = str(tmp_path / "ckpt"), dict(var_freeze_step=30, var_update_scaler=1, var_update_weighting=weighting)
+    uninterrupted = run_ranks(_resume, 2, 40, 23, path, False, 0, knobs)
+    resumed = run_ranks(_resume, 2, 40, 23, path, True, 0, knobs)
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted[r][0], resumed[r][0]))
+        assert uninterrupted[r][1] == resumed[r][1]
+
+
+def test_a_state_saved_before_var_update_weighting_resumes_as_it_ran(tmp_path):
+    # The state of an older zoa-train holds no variance_steps: v then held one step per update.
+    path, knobs = str(tmp_path / "ckpt"), dict(var_freeze_step=30, var_update_scaler=1)
+    uninterrupted = run_ranks(_resume, 2, 40, 23, path, False, 0, knobs)
+    resumed = run_ranks(_resume, 2, 40, 23, path, True, 0, knobs, True)
+    for r in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted[r][0], resumed[r][0]))
 
 
 def _load_on_other_world_size(rank, world_size, path):

@@ -34,7 +34,7 @@ from zoa_train.optim.onebit_adam import OneBitAdam
 from zoa_train.optim.powersgd import PowerSGDHook, powersgd_elements
 from zoa_train.optim.schedules import LOCAL_STEP_POLICIES, StepDecision, ZeroOneSchedule, variance_update_bound
 from zoa_train.optim.training import DDPBacked, SelfSyncing, TrainingOptimizer, parameter_groups
-from zoa_train.optim.zero_one_adam import ZeroOneAdam
+from zoa_train.optim.zero_one_adam import VAR_UPDATE_WEIGHTINGS, ZeroOneAdam
 from zoa_train.precision import DTYPES
 from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
 
@@ -336,10 +336,11 @@ class ZeroOneAdamKnobs:
     local_step_interval: int = library_default(ZeroOneAdam, "local_step_interval")  # "fixed" policy
     # the largest RMS of a tensor's m/d on steps with a stale v; null: none
     update_clip: float | None = library_default(ZeroOneAdam, "update_clip")
+    var_update_weighting: Literal[VAR_UPDATE_WEIGHTINGS] = library_default(ZeroOneAdam, "var_update_weighting")  # what one variance update weighs
 
     def schedule_knobs(self) -> dict:
         """The ZeroOneSchedule keyword arguments among them."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "update_clip"}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("update_clip", "var_update_weighting")}
 
 
 def _build_zero_one_adam(ctx: BuildContext) -> TrainingOptimizer:
