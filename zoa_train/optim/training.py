@@ -132,7 +132,20 @@ def batchnorm_statistics(model: torch.nn.Module) -> list[torch.Tensor]:
     return [t for t in found if t is not None]
 
 
-class DDPBacked:
+class _HoldsTorchOptimizer:
+    """What both wrappers give the loop from the torch optimizer they hold."""
+
+    optimizer: torch.optim.Optimizer
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+
+class DDPBacked(_HoldsTorchOptimizer):
     """An optimizer on top of DDP, which averages the gradients (bucketed allreduce overlapped with
     backward, gradients as bucket views, buffers broadcast only when the model has BatchNorm
     statistics; fp16/bf16 on the wire with `allreduce_dtype`). `make_optimizer(param_groups)` builds
@@ -179,13 +192,6 @@ class DDPBacked:
 
     def no_sync(self):
         return self.module.no_sync()
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def keep_rounds_in_step(self, reason: str) -> None:
         """DDP's allreduce of the raw gradients during backward is what clipping and loss scaling expect."""
@@ -251,7 +257,7 @@ class DDPBacked:
             self.comm_hook.load_resharded(shared["comm_hook"])
 
 
-class SelfSyncing:
+class SelfSyncing(_HoldsTorchOptimizer):
     """An optimizer that does its own data-parallel communication (a DataParallelOptimizer), driving
     the model itself: no DDP wrapper. `name` is how its messages call it (the recipe's name)."""
 
@@ -291,13 +297,6 @@ class SelfSyncing:
         self._check_parameters()
         self.optimizer.step()
         return self.optimizer.last_step.kind
-
-    def zero_grad(self) -> None:
-        self.optimizer.zero_grad(set_to_none=True)
-
-    @property
-    def lr(self) -> float:
-        return self.optimizer.param_groups[0]["lr"]
 
     def keep_rounds_in_step(self, reason: str) -> None:
         self.optimizer.keep_rounds_in_step(reason)
