@@ -5,7 +5,14 @@ are NaN or infinite, for every key, where the schema reads them."""
 
 from collections.abc import Callable
 
+from zoa_train.errors import UserError
+
 Check = Callable[[object], str | None]
+
+
+def refusal(origin: str, key: str, problem: str, value) -> UserError:
+    """The one sentence that refuses `value` of `key`, which failed its check with `problem`."""
+    return UserError(f"{origin}: {key} {problem}, not {list(value) if isinstance(value, tuple) else value}.")
 
 
 def positive(value) -> str | None:

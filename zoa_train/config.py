@@ -373,7 +373,7 @@ def _check(recipe: Recipe, origin: str) -> None:
         value = getattr(getattr(recipe, section), name)
         problem = check(value)
         if problem:
-            raise UserError(f"{origin}: {key} {problem}, not {list(value) if isinstance(value, tuple) else value}.")
+            raise checks.refusal(origin, key, problem, value)
     registry.check_section(o, origin, [o.name])  # every knob, and the rule across the named optimizer's knobs
     if recipe.schedule.name == "cosine" and recipe.schedule.min_lr > o.lr:
         raise UserError(f"{origin}: schedule.min_lr {recipe.schedule.min_lr} is above optimizer.lr {o.lr}; the cosine schedule decays from lr down to min_lr.")

@@ -165,11 +165,16 @@ class OptimizerSpec:
 
     def knobs_from(self, values: object | Mapping) -> Any:
         """Its knobs taken from an object (a recipe's optimizer section) or a mapping; missing ones keep their defaults."""
-        get = values.get if isinstance(values, Mapping) else lambda name, default: getattr(values, name, default)
+        get = _getter(values)
         return self.knobs(**{f.name: get(f.name, f.default) for f in dataclasses.fields(self.knobs)})
 
 
 _SPECS: dict[str, OptimizerSpec] = {}
+
+
+def _getter(values: object | Mapping) -> Callable[[str, Any], Any]:
+    """get(name, default) on a mapping of knobs or on an object with knobs as attributes (a recipe's section)."""
+    return values.get if isinstance(values, Mapping) else lambda name, default: getattr(values, name, default)
 
 
 def register(spec: OptimizerSpec) -> OptimizerSpec:
@@ -229,14 +234,14 @@ def check_section(values: object | Mapping, origin: str, rules: Iterable[str] = 
     rule across its knobs fails for an optimizer named in `rules`. Every knob is checked: a recipe's
     section holds every registered one. The one check of optimizer knobs (recipes, the integrations,
     `plan`, `create`)."""
-    get = values.get if isinstance(values, Mapping) else lambda name, default: getattr(values, name, default)
+    get = _getter(values)
     table = {**SHARED_CHECKS, **{key: check for spec in _SPECS.values() for key, check in spec.checks.items()}}
     defaults = {f.name: f.default for f in [*dataclasses.fields(SharedKnobs), *knob_fields()]}
     for key, check in table.items():
         value = get(key, defaults[key])
         problem = check(value)
         if problem:
-            raise UserError(f"{origin}: optimizer.{key} {problem}, not {list(value) if isinstance(value, tuple) else value}.")
+            raise checks.refusal(origin, f"optimizer.{key}", problem, value)
     for name in rules:
         spec = _SPECS[name]
         problem = spec.check_rule(spec.knobs_from(values))

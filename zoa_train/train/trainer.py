@@ -258,10 +258,11 @@ class Trainer:
             last = self.step == t.steps
             stopping = not last and self._stop_step() == self.step
             saving = self.should_save(last) or stopping
-            if window.should_log(self.step, last) or saving:
+            log_now = window.should_log(self.step, last)
+            if log_now or saving:
                 self._check_finite()  # before anything is logged or saved
             record = {}
-            if window.should_log(self.step, last):
+            if log_now:
                 dist.all_reduce(loss_sum)  # monitoring only: one scalar every log_every steps
                 train_record = window.record(loss_sum.item() / self.world, lr, self.ledger, self.opt.variance_updates)
                 record |= train_record
