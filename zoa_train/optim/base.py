@@ -6,21 +6,29 @@ construction (or, for one built before torch.distributed was initialised, when i
 group: `bind()`, its first step) the ranks' parameter shapes are checked to agree and every parameter
 is broadcast from rank 0, so that all ranks start from the same point.
 A parameter whose .grad is None in a step counts as having a zero gradient, on every rank alike.
+
+Parameters sharded by FSDP2 (DTensors; zoa_train/comm/sharding.py) are taken as this rank's local
+shards: the state follows the shard, and the process group is the ranks that hold the same shard (one
+per node). Their gradients are FSDP2's, already averaged over the node. FSDP2 sets them after its
+reduce-scatter, not through autograd's accumulation, so rounds start in step(), never during backward.
 """
 
 import contextlib
 import hashlib
 import logging
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from zoa_train.comm import Collective, CollectiveFactory, CommLedger, allreduce, group_size_rank, onebit_layout
+from zoa_train.comm import Collective, CollectiveFactory, CommLedger, allreduce, group_size_rank, onebit_layout, ring_allreduce_bytes
 from zoa_train.comm.buckets import BucketedCollective
 from zoa_train.comm.onebit import OneBitLayout, TopologyChanged
+from zoa_train.comm.sharding import local_shard
 from zoa_train.errors import UserError
 from zoa_train.optim.deepspeed_names import translate
 from zoa_train.step_kinds import FULL, LOCAL, ONEBIT
@@ -79,7 +87,8 @@ class FlatGroup:
     padding between them kept at zero) or, without compression, the parameters back to back."""
 
     def __init__(self, params: list[torch.Tensor], layout: OneBitLayout):
-        self.params = params
+        self.sources = params  # as given: what holds .grad and requires_grad (a DTensor when sharded)
+        self.params = [local_shard(p) for p in params]  # what the state follows: this rank's elements
         self.numel = layout.numel
         self.size = layout.padded  # elements of each flat buffer
         self.offsets = layout.offsets
@@ -111,35 +120,52 @@ class FlatGroup:
             torch._foreach_copy_(*map(list, zip(*pairs)))
         return flat
 
+    def grad(self, i: int) -> torch.Tensor | None:
+        """The gradient of parameter `i` over this rank's elements (None: it has none)."""
+        grad = self.sources[i].grad
+        if grad is not None and grad.is_sparse:
+            raise ValueError(SPARSE)
+        return None if grad is None else local_shard(grad)
+
     def flat_grad(self) -> torch.Tensor:
         """All gradients in one new flat fp32 buffer (zeros where .grad is None)."""
-        grads = [p.grad for p in self.params]
-        if any(g is not None and g.is_sparse for g in grads):
-            raise ValueError(SPARSE)
-        return self.flatten(grads)
+        return self.flatten([self.grad(i) for i in range(len(self.params))])
 
     def flatten_into(self, flat: torch.Tensor, span: Span) -> None:
         """Copy the gradients of `span`'s tensors into their views of `flat` (zeros where .grad is None)."""
         views = self.views(flat)
-        grads, with_grad, without = self.split_by_grad([views[i] for i in span.tensors], [self.params[i] for i in span.tensors])
+        grads, with_grad, without = self.split_by_grad([views[i] for i in span.tensors], span.tensors)
         if with_grad:
             torch._foreach_copy_(with_grad, grads)
         if without:
             torch._foreach_zero_(without)
 
-    def split_by_grad(self, views: list[torch.Tensor], params: list[torch.Tensor] | None = None):
-        """(grads, views of params that have one, views of params that have none), for `params`
-        (default: all of the group's) and their `views`."""
+    def split_by_grad(self, views: list[torch.Tensor], indices: Sequence[int] | None = None):
+        """(grads, views of params that have one, views of params that have none), for the parameters
+        at `indices` (default: all of the group's) and their `views`."""
         grads, with_grad, without = [], [], []
-        for p, view in zip(self.params if params is None else params, views):
-            if p.grad is None:
+        for i, view in zip(range(len(self.params)) if indices is None else indices, views):
+            grad = self.grad(i)
+            if grad is None:
                 without.append(view)
             else:
-                if p.grad.is_sparse:
-                    raise ValueError(SPARSE)
-                grads.append(p.grad)
+                grads.append(grad)
                 with_grad.append(view)
         return grads, with_grad, without
+
+
+def _shard_group(name: str, params: list[torch.Tensor]):
+    """The process group of the node's ranks that shard `params` (FSDP2 over a 1-D mesh), or None
+    when no parameter is sharded."""
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    if not meshes:
+        return None
+    if len(meshes) > 1 or next(iter(meshes)).ndim != 1:
+        raise ValueError(
+            f"{name} takes parameters sharded over one 1-D mesh of a node's ranks (FSDP2's fully_shard(mesh=...)), and an "
+            "unsharded remainder; HSDP's 2-D mesh replicates across nodes itself, so train that with a torch optimizer"
+        )
+    return next(iter(meshes)).get_group()
 
 
 class DataParallelOptimizer(torch.optim.Optimizer):
@@ -193,8 +219,9 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 f"none of the {len(params)} parameters it was given both requires a gradient and holds an element" if params else "it was given no parameters"
             )
             raise ValueError(f"{name} has nothing to train: {given}; pass the trainable ones, e.g. [p for p in model.parameters() if p.requires_grad]")
-        sizes = [[p.numel() for p in group["params"]] for group in self.param_groups]
-        self.ledger = CommLedger(num_params=sum(map(sum, sizes)))
+        self.shard_group = _shard_group(name, params)
+        sizes = [[local_shard(p).numel() for p in group["params"]] for group in self.param_groups]
+        self.ledger = CommLedger(num_params=sum(map(sum, sizes)))  # this rank's elements: its shard when sharded
         self._collective_factory = collective
         # Built before torch.distributed was initialised (a script that makes its optimizer before its
         # framework starts the group): bound to the default group at the first step, or by an
@@ -211,7 +238,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         rank from rank 0's parameters, build the collective and lay the flat state out in its layouts."""
         self.world_size, self.rank = group_size_rank(self.process_group)
         self._check_same_model()
-        sizes = [[p.numel() for p in group["params"]] for group in self.param_groups]
+        sizes = [[local_shard(p).numel() for p in group["params"]] for group in self.param_groups]
         self.collective: Collective | None = None
         if self._collective_factory is not None:
             device = next((p.device for group in self.param_groups for p in group["params"]), None)
@@ -226,11 +253,21 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     # ---- rounds, and starting them during backward ------------------------------------------------
 
+    def _sum_over_shards(self, tensor: torch.Tensor) -> None:
+        """Sum `tensor` (a few per-tensor values, e.g. squared norms of shards) over the node's ranks
+        that shard the parameters with this rank. Counted in the totals, not in the step: it stays
+        inside the node and makes no local step a round."""
+        dist.all_reduce(tensor, group=self.shard_group)
+        nbytes = ring_allreduce_bytes(tensor.numel(), tensor.element_size(), dist.get_world_size(self.shard_group))
+        self.ledger.record("shard_sum", payload_bits=8 * tensor.element_size(), elements=tensor.numel(), bytes_sent=nbytes, in_step=False, link="intra")
+
     def _lay_out_spans(self) -> None:
         """The spans rounds start in (the collective's buckets, else one per group) and, when the
         collective overlaps, a hook on every trainable parameter that starts its bucket's round once
         the bucket's gradients are final (docs/algorithm.md, "Overlap")."""
         bucketed = isinstance(self.collective, BucketedCollective)
+        if bucketed and self.shard_group is not None:  # the node's ranks would bucket shards of unequal sizes apart
+            raise ValueError(f"{type(self).__name__}: sharded parameters take a collective without buckets (comm.bucket_cap_mb 0, comm.overlap off)")
         if bucketed:
             self._spans = [Span(b.index, b.group, tuple(b.tensors), b.start, b.stop) for b in self.collective.buckets]
         else:
@@ -243,7 +280,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self._needed = [0] * len(self._spans)
         for span in self._spans:
             for i in span.tensors:
-                p = self._flat[span.group].params[i]
+                p = self._flat[span.group].sources[i]
                 if p.requires_grad:
                     self._span_of[id(p)] = span.index
                     self._needed[span.index] += 1
@@ -260,7 +297,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 if method is not None:
                     method(param)
 
-            params = [self._flat[s.group].params[i] for s in self._spans for i in s.tensors]
+            params = [self._flat[s.group].sources[i] for s in self._spans for i in s.tensors]
             self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
         self._accumulating = False
         self._whole: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
@@ -350,7 +387,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         """m <- b1*m + (1-b1)*g over `span`'s tensors, g this rank's gradient (0 where a tensor has none)."""
         flat = self._flat[span.group]
         views = flat.views(m)
-        grads, with_grad, without = flat.split_by_grad([views[i] for i in span.tensors], [flat.params[i] for i in span.tensors])
+        grads, with_grad, without = flat.split_by_grad([views[i] for i in span.tensors], span.tensors)
         if with_grad:
             torch._foreach_lerp_(with_grad, grads, 1 - beta1)
         if without:
@@ -404,10 +441,11 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         the shapes, one small all_gather at set-up (not a training step: not in the ledger)."""
         if self.world_size == 1:
             return
-        shapes = [[tuple(p.shape) for p in group["params"]] for group in self.param_groups]
+        locals_ = [[local_shard(p) for p in group["params"]] for group in self.param_groups]  # a shard's shape when sharded
+        shapes = [[tuple(p.shape) for p in group] for group in locals_]
         digest = int.from_bytes(hashlib.sha256(repr(shapes).encode()).digest()[:8], "little", signed=True)
-        tensors, elements = sum(map(len, shapes)), sum(p.numel() for group in self.param_groups for p in group["params"])
-        device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
+        tensors, elements = sum(map(len, shapes)), sum(p.numel() for group in locals_ for p in group)
+        device = next((p.device for group in locals_ for p in group), torch.device("cpu"))
         mine = torch.tensor([digest, len(shapes), tensors, elements], dtype=torch.int64, device=device)
         every = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine, group=self.process_group)

@@ -312,9 +312,13 @@ class ZeroOneAdam(DataParallelOptimizer):
         places = [(flat.offsets[i] - start, flat.params[i]) for i in tensors]
         ratios = [ratio[o : o + p.numel()] for o, p in places]
         key = (index, start)
-        if key not in self._root_numels:
-            self._root_numels[key] = torch.tensor([p.numel() ** 0.5 for _, p in places], device=m.device)
-        rms = torch.stack(torch._foreach_norm(ratios)).div_(self._root_numels[key])
+        if key not in self._root_numels:  # of whole tensors, when each rank holds a shard
+            self._root_numels[key] = torch.tensor([flat.sources[i].numel() ** 0.5 for i in tensors], device=m.device)
+        norms = torch.stack(torch._foreach_norm(ratios))
+        if self.shard_group is not None:  # a tensor's norm over its shards on the node's ranks
+            self._sum_over_shards(norms.square_())
+            norms.sqrt_()
+        rms = norms.div_(self._root_numels[key])
         torch._foreach_mul_([clipped[o : o + p.numel()] for o, p in places], list(rms.div_(limit).clamp_(min=1.0).reciprocal_().unbind()))
         return clipped
 

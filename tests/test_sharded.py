@@ -1,0 +1,106 @@
+"""0/1 Adam and 1-bit Adam sharded inside the node (FSDP2), one bit between nodes (comm.shard node).
+
+The reference for 2 nodes x 2 ranks sharded is the same optimizer unsharded on 2 ranks, each of
+which sees the union of its node's micro-batches (gradient accumulation over two). They are equal
+bit for bit here, not only to rounding, because every operation meets the same numbers in the same
+order: each micro-batch's backward is the same computation on the same all-gathered weights; FSDP2
+averages two micro-batches' gradients as g_a/2 + g_b/2, as accumulation of two half-weighted losses
+does (halving is exact); and the 1-bit compressor's scale rows are whole rows of each tensor in both
+layouts (the tensors' shards are whole 4096-element rows), so every row is compressed with the same
+scale. update_clip scales each tensor by its RMS, summed over shards in another order: it is checked
+to rounding (test_update_clip_sees_whole_tensors).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed_harness import run_ranks
+
+from zoa_train.comm.sharding import local_shard, shard_model
+from zoa_train.optim import OneBitAdam, ZeroOneAdam
+from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
+
+WIDTH = 128  # a shard of a WIDTH x WIDTH weight over 2 ranks: 8192 elements, two whole scale rows
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x)) + x
+        return x
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, WIDTH, generator=g), torch.randn(8, WIDTH, generator=g)
+
+
+def _optimizer(name: str, params, group, update_clip=None):
+    if name == "zero_one_adam":  # variance steps, 1-bit syncs and local steps within 24 steps
+        knobs = dict(var_freeze_step=10, var_update_scaler=2, local_steps="fixed", local_step_interval=3, update_clip=update_clip)
+        return ZeroOneAdam(params, lr=0.01, weight_decay=0.01, process_group=group, **knobs)
+    return OneBitAdam(params, lr=0.01, weight_decay=0.01, freeze_step=5, process_group=group)
+
+
+def _sharded_and_reference(rank, world_size, name, steps, update_clip=None):
+    """2 nodes x 2 ranks sharded, next to the reference on local rank 0 of each node (ranks 0 and 2)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    reference_group = dist.new_group([0, 2])
+    node, local = divmod(rank, 2)
+    torch.manual_seed(0)
+    reference = Blocks()
+    torch.manual_seed(0)
+    sharded = shard_model(Blocks(), mesh["local"])  # the same initial weights, sharded
+    opt = _optimizer(name, list(sharded.parameters()), mesh.get_group("node"), update_clip)
+    ref_opt = _optimizer(name, list(reference.parameters()), reference_group, update_clip) if local == 0 else None
+    differences, kinds, bits, at_syncs = [], [], [], []
+    for t in range(steps):
+        x, y = _batch(rank, t)
+        torch.nn.functional.mse_loss(sharded(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        full = [p.full_tensor() for p in sharded.parameters()]  # a collective of the node's ranks
+        kinds.append(opt.last_step.kind)
+        bits.append(opt.last_step.bits_per_param)
+        if opt.last_step.synced:
+            at_syncs.append((t, [local_shard(p).clone() for p in sharded.parameters()]))
+        if ref_opt is not None:
+            for micro in (2 * node, 2 * node + 1):  # the node's micro-batches, accumulated
+                x, y = _batch(micro, t)
+                (torch.nn.functional.mse_loss(reference(x), y) / 2).backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            differences.append(max((a - b.detach()).abs().max().item() for a, b in zip(full, reference.parameters())))
+    return differences, kinds, bits, at_syncs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
+def test_sharded_on_2_x_2_is_unsharded_on_2_ranks_that_see_their_nodes_batches(name):
+    ranks = run_ranks(_sharded_and_reference, 4, name, 24, sharded=True)
+    for rank in (0, 2):
+        differences, kinds, _, _ = ranks[rank]
+        assert differences == [0.0] * 24, f"rank {rank}: {differences}"
+    kinds = "".join(ranks[0][1])
+    if name == "zero_one_adam":
+        assert {VARIANCE, ONEBIT, LOCAL} <= set(kinds), kinds  # variance steps, 1-bit syncs and local steps all ran
+    # the nodes hold the same shards after every sync
+    for a, b in ((0, 2), (1, 3)):
+        assert len(ranks[a][3]) >= 12 and [t for t, _ in ranks[a][3]] == [t for t, _ in ranks[b][3]]
+        assert all(torch.equal(p, q) for (_, mine), (_, theirs) in zip(ranks[a][3], ranks[b][3]) for p, q in zip(mine, theirs))
+
+
+@pytest.mark.slow
+def test_update_clip_sees_whole_tensors():
+    # update_clip 0.05 clips nearly every step before the freeze, by each tensor's RMS: sharded, the
+    # node sums its shards' squared norms, in another order than one rank's norm of the whole tensor,
+    # so the clip factors agree to rounding (a few ulp), and so do the parameters after 24 steps.
+    ranks = run_ranks(_sharded_and_reference, 4, "zero_one_adam", 24, 0.05, sharded=True)
+    for rank in (0, 2):
+        assert max(ranks[rank][0]) < 1e-6, ranks[rank][0]
