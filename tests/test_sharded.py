@@ -11,9 +11,12 @@ scale. update_clip scales each tensor by its RMS, summed over shards in another 
 to rounding (test_update_clip_sees_whole_tensors).
 """
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import refused, zoa, zoa_here
 from distributed_harness import run_ranks
 
 from zoa_train.comm.sharding import local_shard, shard_model
@@ -104,3 +107,67 @@ def test_update_clip_sees_whole_tensors():
     ranks = run_ranks(_sharded_and_reference, 4, "zero_one_adam", 24, 0.05, sharded=True)
     for rank in (0, 2):
         assert max(ranks[rank][0]) < 1e-6, ranks[rank][0]
+
+
+# ---- through the trainer: 4 ranks as 2 emulated nodes of 2 ------------------------------------------
+
+SHARDED = ("train.nproc=4", "comm.ranks_per_node=2", "comm.shard=node", "train.micro_batch_size=8")
+
+
+def _short(cache_dir, steps: int, *extra: str) -> list[str]:
+    sets = [f"train.steps={steps}", "train.log_every=1", "train.val_batches=1", "train.val_every=0", "logging.wandb=disabled", f"data.cache_dir={cache_dir}"]
+    return [arg for s in [*sets, *SHARDED, *extra] for arg in ("--set", s)]
+
+
+def _metrics(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumes_exactly_inside_a_local_period(tmp_path, cache_dir):
+    knobs = _short(cache_dir, 8, "train.checkpoint_every=4", "optimizer.var_freeze_step=2", "optimizer.local_steps=fixed", "optimizer.local_step_interval=3")
+    first = tmp_path / "first"
+    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), *knobs)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = _metrics(first)
+    assert records[-1]["rounds"] < 8 and records[-1]["intra_bytes_sent"] > 0  # local steps; FSDP2's traffic counted inside the node
+    second = tmp_path / "second"
+    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(second), "--resume", str(first / "checkpoints" / "step_00000004"), *knobs)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = _metrics(second)
+    assert [r["loss"] for r in again] == [r["loss"] for r in records[4:]]
+    assert again[-1]["bits_per_param"] == records[-1]["bits_per_param"]
+    # model.pt is the whole model, as an unsharded run writes it
+    a = torch.load(first / "checkpoints" / "step_00000008" / "model.pt")
+    b = torch.load(second / "checkpoints" / "step_00000008" / "model.pt")
+    assert a["transformer.wte.weight"].shape == (4096, 128) and all(torch.equal(a[k], b[k]) for k in a)
+    # another layout is refused in one sentence, before anything in the run directory changes
+    unsharded = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(second), "--resume", "auto", *knobs, "--set", "comm.shard=none")
+    refused(unsharded, "sharded on 2 nodes x 2 ranks", "unsharded", alone=False)
+
+
+@pytest.mark.slow
+def test_adam_sharded_is_hsdp_and_resumes(tmp_path, cache_dir):
+    knobs = _short(cache_dir, 4, "optimizer.name=adam", "train.checkpoint_every=2", "train.global_batch_size=64")  # 2 micro-batches: no_sync
+    first = tmp_path / "first"
+    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), *knobs)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = _metrics(first)
+    assert [r["bits_per_param"] for r in records] == [32.0] * 4  # the shard's all-reduce between nodes, every step
+    second = tmp_path / "second"
+    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(second), "--resume", str(first / "checkpoints" / "step_00000002"), *knobs)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["loss"] for r in _metrics(second)] == [r["loss"] for r in records[2:]]
+
+
+@pytest.mark.parametrize(
+    "setting,fragment",
+    [
+        ("optimizer.name=powersgd", "takes adam, onebit_adam, zero_one_adam"),
+        ("comm.overlap=true", "comm.overlap false"),
+        ("comm.topology=hierarchical", "comm.topology auto or flat"),
+        ("train.precision=fp16", "not fp16"),
+    ],
+)
+def test_what_sharding_does_not_combine_with_is_refused_in_one_sentence(capsys, setting, fragment):
+    refused(zoa_here(capsys, "run", "recipes/gpt2_tiny.yaml", "--set", "comm.shard=node", "--set", setting), fragment)

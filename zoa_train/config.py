@@ -21,6 +21,7 @@ import yaml
 
 from zoa_train import checks
 from zoa_train.comm.kernels import CHOICES as KERNEL_CHOICES
+from zoa_train.comm.sharding import SHARDINGS
 from zoa_train.comm.topology import TOPOLOGIES
 from zoa_train.errors import UserError
 from zoa_train.files import load_yaml
@@ -152,6 +153,10 @@ class CommConfig:
     # 100 MB when bucket_cap_mb is 0). Off for a run whose gradients change after backward
     # (train.grad_clip, fp16 loss scaling, train.skip_nonfinite): its rounds start in step().
     overlap: bool = False
+    # node: shard the model, its gradients and optimizer state over each node's ranks (FSDP2) and
+    # send only the shard between nodes (docs/algorithm.md, "Sharded inside the node"); none: every
+    # rank holds all of it.
+    shard: Literal[SHARDINGS] = "none"
 
 
 @dataclass
@@ -388,9 +393,30 @@ def _check(recipe: Recipe, origin: str) -> None:
     for name in d.train_files + d.validation_files:
         if not any(ch in name for ch in "*?[") and Path(name).expanduser().is_dir():
             raise UserError(f"{origin}: data file {name} is a directory; data.train_files and data.validation_files name files or glob patterns.")
+    if recipe.comm.shard == "node":
+        _check_sharding(recipe, origin)
     from zoa_train.tasks import task_class  # imports nothing heavy
 
     task_class(recipe).check(recipe, origin)
+
+
+def _check_sharding(recipe: Recipe, origin: str) -> None:
+    """What comm.shard node does not combine with, refused before any rank starts."""
+    c, o = recipe.comm, recipe.optimizer
+    if not registry.get(o.name).shardable:
+        raise UserError(f"{origin}: optimizer.name {o.name} does not train sharded; comm.shard node takes {', '.join(registry.shardable_names())}.")
+    if c.overlap or c.bucket_cap_mb:
+        raise UserError(
+            f"{origin}: comm.shard node starts the rounds in step(), without buckets (FSDP2 overlaps its own collectives inside the node); set comm.overlap false and comm.bucket_cap_mb 0."
+        )
+    if c.topology == "hierarchical":
+        raise UserError(
+            f"{origin}: comm.shard node sends each shard between nodes already (the node-aware sync's inter-node part); set comm.topology auto or flat."
+        )
+    if recipe.train.precision == "fp16":
+        raise UserError(
+            f"{origin}: comm.shard node trains in fp32 or bf16, not fp16 (whose overflow check would see one shard's gradients); set train.precision bf16."
+        )
 
 
 def check_batch_layout(recipe: Recipe, world_size: int, origin: str = "recipe") -> int:

@@ -3,7 +3,7 @@
 Conventions (docs/algorithm.md, "Counting"): nominal bits per parameter per step are the
 payload bits of each element sent (32 fp32, 16 fp16/bf16, 1 for a 1-bit round, 0 for a local step),
 summed over the step's collectives and divided by the number of parameters; a round is a step with
-any data-parallel communication; bytes are what this rank sends, scales, padding and both passes
+any communication over the slow link (FSDP2's collectives inside a node make no step a round); bytes are what this rank sends, scales, padding and both passes
 included, under the standard algorithm of each collective (ring for allreduce and all-gather).
 
 Link classes: a collective over ranks of one node (the node-aware 1-bit sync's reduce-scatter and
@@ -50,6 +50,7 @@ class CommLedger:
     _step_calls: int = 0
     _step_intra_bits: int = 0
     _step_intra_bytes: int = 0
+    _step_inter_calls: int = 0
     # records may come from a collective's background thread (zoa_train/comm/buckets.py)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -72,6 +73,7 @@ class CommLedger:
             else:
                 self._step_bits += payload_bits * elements
                 self._step_bytes += bytes_sent
+                self._step_inter_calls += calls
         else:
             self.calls += calls
             if intra:
@@ -91,7 +93,7 @@ class CommLedger:
             raise ValueError("CommLedger.num_params must be set before closing a step")
         step = StepComm(
             bits_per_param=self._step_bits / self.num_params,
-            round=self._step_calls > 0,
+            round=self._step_inter_calls > 0,
             bytes_sent=self._step_bytes,
             calls=self._step_calls,
             intra_bits_per_param=self._step_intra_bits / self.num_params,
@@ -104,7 +106,7 @@ class CommLedger:
         self.payload_bits += self._step_bits
         self.intra_bytes_sent += self._step_intra_bytes
         self.intra_payload_bits += self._step_intra_bits
-        self._step_bits = self._step_bytes = self._step_calls = self._step_intra_bits = self._step_intra_bytes = 0
+        self._step_bits = self._step_bytes = self._step_calls = self._step_intra_bits = self._step_intra_bytes = self._step_inter_calls = 0
         return step
 
     @property
@@ -150,4 +152,4 @@ class CommLedger:
         self.intra_bytes_sent = self.intra_payload_bits = 0  # a state saved before link classes sent nothing inside a node
         for key, value in state.items():
             setattr(self, key, dict(value) if key == "by_kind" else value)
-        self._step_bits = self._step_bytes = self._step_calls = self._step_intra_bits = self._step_intra_bytes = 0
+        self._step_bits = self._step_bytes = self._step_calls = self._step_intra_bits = self._step_intra_bytes = self._step_inter_calls = 0

@@ -13,10 +13,15 @@ the whole model, which keeps what is left (embeddings, a tied output layer, fina
 without a ModuleList is one unit. Sharding is along each tensor's first dimension, FSDP2's.
 """
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from zoa_train.comm.ledger import CommLedger
+from zoa_train.comm.topology import NodeGroups, describe, discover_nodes, node_groups
+from zoa_train.errors import UserError
 
 SHARDINGS = ("none", "node")
 
@@ -66,16 +71,78 @@ def shard_numel(model: torch.nn.Module) -> int:
     return sum(local_shard(p).numel() for p in model.parameters() if p.requires_grad)
 
 
-def record_fsdp_traffic(ledger: CommLedger, elements: int, ranks_per_node: int, micro_batches: int) -> None:
-    """Count FSDP2's collectives of one step inside the node (link "intra"), as it runs them: per
-    micro-batch, an all-gather of the parameters for forward, another for backward (the blocks
-    reshard after forward) and a reduce-scatter of the gradients, each sending (G-1) shards of
-    `elements` fp32 values per rank (a ring's bytes). Nominal bits: 32 per element of each."""
+@dataclass
+class NodeSharding:
+    """comm.shard node on this rank: the (node, local) mesh of the cluster's nodes. FSDP2 shards over
+    `local_mesh` (HSDP over `mesh`), and the optimizers exchange shards over `inter`."""
+
+    groups: NodeGroups
+
+    @property
+    def mesh(self):
+        return self.groups.mesh
+
+    @property
+    def local_mesh(self):
+        return self.groups.mesh["local"]
+
+    @property
+    def inter(self):
+        """The ranks that hold the same shard, one per node."""
+        return self.groups.inter
+
+    @property
+    def nodes(self) -> int:
+        return self.groups.nodes
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.groups.ranks_per_node
+
+
+def node_sharding(ranks_per_node: int = 0) -> NodeSharding:
+    """The sharding of the running world over its nodes (found by hostname, or `ranks_per_node`
+    consecutive ranks each); a UserError for nodes of unequal sizes. A collective: every rank calls it."""
+    nodes = discover_nodes(ranks_per_node)
+    if len({len(node) for node in nodes}) != 1:
+        raise UserError(
+            f"comm.shard node shards over each node's ranks, and these nodes have unequal numbers of them ({describe(nodes)}); use comm.shard none."
+        )
+    return NodeSharding(node_groups(nodes, "cuda" if "nccl" in str(dist.get_backend()) else "cpu"))
+
+
+def count_fsdp_traffic(model: torch.nn.Module, ledger: CommLedger, ranks_per_node: int) -> None:
+    """Record in `ledger`, at each training forward of `model` (one micro-batch), FSDP2's collectives
+    inside the node (link "intra") as it runs them: an all-gather of the parameters for forward,
+    another for backward (the blocks reshard after forward) and a reduce-scatter of the gradients,
+    each sending G-1 shards of this rank's elements in fp32 (a ring's bytes); nominal bits 32 each.
+    Evaluation forwards (no gradient) are not training steps: not counted."""
     if ranks_per_node < 2:
         return
+    elements = shard_numel(model)
     nbytes = (ranks_per_node - 1) * elements * 4
-    for kind in ("fsdp_all_gather", "fsdp_all_gather", "fsdp_reduce_scatter"):
-        ledger.record(kind, payload_bits=32, elements=elements * micro_batches, bytes_sent=nbytes * micro_batches, calls=micro_batches, link="intra")
+
+    def record(module, args) -> None:
+        if module.training and torch.is_grad_enabled():
+            for kind in ("fsdp_all_gather", "fsdp_all_gather", "fsdp_reduce_scatter"):
+                ledger.record(kind, payload_bits=32, elements=elements, bytes_sent=nbytes, link="intra")
+
+    model.register_forward_pre_hook(record)
+
+
+def full_model_state(model: torch.nn.Module) -> dict:
+    """The whole model's state dict on the CPU of rank 0 (other ranks: empty), gathered from its
+    shards: a checkpoint's model.pt is the same file sharded or not. A collective of every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def load_full_model_state(model: torch.nn.Module, state: dict) -> None:
+    """Load a whole model's state dict (every rank holds it) into the sharded `model`: each rank keeps its shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
 
 def release_caches() -> None:

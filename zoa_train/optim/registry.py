@@ -25,6 +25,7 @@ import torch.distributed as dist
 from zoa_train import checks
 from zoa_train.checks import Check
 from zoa_train.comm import CollectiveFactory, OneBitAllReduce, TopKAllReduce
+from zoa_train.comm.sharding import NodeSharding, is_sharded, shard_model
 from zoa_train.comm.topk import topk_wire
 from zoa_train.errors import UserError
 from zoa_train.optim.adam import DataParallelAdam
@@ -33,7 +34,7 @@ from zoa_train.optim.lr_schedules import LRSchedule
 from zoa_train.optim.onebit_adam import OneBitAdam
 from zoa_train.optim.powersgd import PowerSGDHook, powersgd_elements
 from zoa_train.optim.schedules import LOCAL_STEP_POLICIES, StepDecision, ZeroOneSchedule, variance_update_bound
-from zoa_train.optim.training import DDPBacked, SelfSyncing, TrainingOptimizer, parameter_groups
+from zoa_train.optim.training import DDPBacked, HSDPBacked, SelfSyncing, TrainingOptimizer, parameter_groups
 from zoa_train.optim.zero_one_adam import VAR_UPDATE_WEIGHTINGS, ZeroOneAdam
 from zoa_train.precision import DTYPES
 from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
@@ -86,10 +87,19 @@ class BuildContext:
     shared: SharedKnobs
     knobs: Any
     collective: CollectiveFactory = OneBitAllReduce
+    sharding: NodeSharding | None = None  # comm.shard node: shard the model inside each node (specs that are `shardable`)
 
     def parameter_groups(self) -> list[dict]:
-        """Weight decay on matrices and kernels only (zoa_train.optim.training.parameter_groups)."""
+        """Weight decay on matrices and kernels only (zoa_train.optim.training.parameter_groups);
+        sharded first inside the node when the run is, so that the groups hold this rank's shards."""
+        if self.sharding is not None and not is_sharded(self.model):
+            shard_model(self.model, self.sharding.local_mesh)
         return parameter_groups(self.model, self.shared.weight_decay)
+
+    @property
+    def process_group(self):
+        """What a self-syncing optimizer exchanges over: the world, or when sharded the ranks that hold its shard."""
+        return self.sharding.inter if self.sharding is not None else None
 
     def optimizer_kwargs(self) -> dict:
         """The shared knobs as the library optimizers take them (weight decay is in the groups)."""
@@ -156,6 +166,7 @@ class OptimizerSpec:
     plan_note: Callable[[dict], str] | None = None  # a line under the plan table, from its plan record
     colour: str = OTHER_COLOUR
     uses_collective: bool = False  # its rounds go through BuildContext.collective, so comm.topology applies
+    shardable: bool = False  # its build honours BuildContext.sharding (comm.shard node)
     # A rule across its knobs: None, or what is wrong in one sentence (checked at recipe load and by `create`).
     rule: Callable[[Any], str | None] | None = None
 
@@ -249,11 +260,25 @@ def check_section(values: object | Mapping, origin: str, rules: Iterable[str] = 
             raise UserError(f"{origin}: {problem}.")
 
 
-def create(section, model: torch.nn.Module, device: torch.device, world_size: int, collective: CollectiveFactory = OneBitAllReduce) -> TrainingOptimizer:
-    """The TrainingOptimizer a recipe's optimizer section names (timm's create_optimizer, by recipe)."""
+def create(
+    section,
+    model: torch.nn.Module,
+    device: torch.device,
+    world_size: int,
+    collective: CollectiveFactory = OneBitAllReduce,
+    sharding: NodeSharding | None = None,
+) -> TrainingOptimizer:
+    """The TrainingOptimizer a recipe's optimizer section names (timm's create_optimizer, by recipe);
+    with `sharding`, the model sharded inside each node (the spec must be `shardable`)."""
     spec = get(section.name)
     check_section(section, f"optimizer {spec.name}", [spec.name])
-    return spec.build(BuildContext(model, device, world_size, section, spec.knobs_from(section), collective))
+    if sharding is not None and not spec.shardable:
+        raise UserError(f"optimizer {spec.name} does not train sharded; comm.shard node takes {', '.join(shardable_names())}.")
+    return spec.build(BuildContext(model, device, world_size, section, spec.knobs_from(section), collective, sharding))
+
+
+def shardable_names() -> tuple[str, ...]:
+    return tuple(name for name in names() if _SPECS[name].shardable)
 
 
 def import_modules(modules: Iterable[str], origin: str) -> None:
@@ -287,8 +312,12 @@ def adam_on_ddp(ctx: BuildContext) -> Callable[[list[dict]], torch.optim.Optimiz
 
 
 def _build_adam(ctx: BuildContext) -> TrainingOptimizer:
-    """What users run: DDP with Adam on top."""
+    """What users run: DDP with Adam on top; sharded, torch's HSDP with AdamW."""
     s = ctx.shared
+    if ctx.sharding is not None:
+        if not s.bias_correction:
+            raise UserError("optimizer adam sharded (comm.shard node) is torch's AdamW, which always corrects bias; set optimizer.bias_correction true.")
+        return HSDPBacked(ctx.model, ctx.sharding, adam_on_ddp(ctx), name="adam", weight_decay=s.weight_decay)
     return DDPBacked(
         ctx.model, ctx.device, ctx.world_size, adam_on_ddp(ctx), name="adam", weight_decay=s.weight_decay, allreduce_dtype=DTYPES[s.allreduce_dtype]
     )
@@ -298,7 +327,7 @@ def _plan_adam(ctx: PlanContext) -> PlanCounts:
     return PlanCounts(fp_allreduces=ctx.steps, onebit_allreduces=0, rounds=ctx.steps, syncs=ctx.steps, variance_updates=ctx.steps)
 
 
-register(OptimizerSpec("adam", "Adam", _build_adam, _plan_adam, colour="#444444"))
+register(OptimizerSpec("adam", "Adam", _build_adam, _plan_adam, colour="#444444", shardable=True))
 
 
 @dataclass
@@ -307,7 +336,9 @@ class OneBitAdamKnobs:
 
 
 def _build_onebit_adam(ctx: BuildContext) -> TrainingOptimizer:
-    optimizer = OneBitAdam(ctx.parameter_groups(), freeze_step=ctx.knobs.freeze_step, collective=ctx.collective, **ctx.optimizer_kwargs())
+    optimizer = OneBitAdam(
+        ctx.parameter_groups(), freeze_step=ctx.knobs.freeze_step, process_group=ctx.process_group, collective=ctx.collective, **ctx.optimizer_kwargs()
+    )
     return SelfSyncing(ctx.model, optimizer, "onebit_adam")
 
 
@@ -327,6 +358,7 @@ register(
         {"freeze_step": checks.positive},
         colour="#e07b00",
         uses_collective=True,
+        shardable=True,
     )
 )
 
@@ -349,7 +381,9 @@ class ZeroOneAdamKnobs:
 
 
 def _build_zero_one_adam(ctx: BuildContext) -> TrainingOptimizer:
-    optimizer = ZeroOneAdam(ctx.parameter_groups(), **dataclasses.asdict(ctx.knobs), collective=ctx.collective, **ctx.optimizer_kwargs())
+    optimizer = ZeroOneAdam(
+        ctx.parameter_groups(), **dataclasses.asdict(ctx.knobs), process_group=ctx.process_group, collective=ctx.collective, **ctx.optimizer_kwargs()
+    )
     return SelfSyncing(ctx.model, optimizer, "zero_one_adam")
 
 
@@ -422,6 +456,7 @@ register(
         _note_zero_one_adam,
         colour="#1f6fc0",
         uses_collective=True,
+        shardable=True,
     )
 )
 

@@ -24,13 +24,17 @@ the optimizer average them at every sync and in `average_statistics()` (before v
 checkpoints). Under DDP they keep DDP's behaviour (rank 0's buffers broadcast at each forward).
 """
 
+import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from zoa_train.comm import CommLedger, ring_allreduce_bytes
+from zoa_train.comm.sharding import NodeSharding, count_fsdp_traffic, local_shard, shard_model, shard_numel
 from zoa_train.errors import UserError
 from zoa_train.optim.base import DataParallelOptimizer
 from zoa_train.step_kinds import FULL
@@ -257,6 +261,95 @@ class DDPBacked(_HoldsTorchOptimizer):
             self.comm_hook.load_resharded(shared["comm_hook"])
 
 
+class HSDPBacked(_HoldsTorchOptimizer):
+    """A torch optimizer on torch's HSDP: the model sharded by FSDP2 over each node's ranks and
+    replicated across nodes (the 2-D mesh of `sharding`), so gradients are reduce-scattered inside the
+    node and their shards all-reduced across nodes in full precision, at the end of the last
+    micro-batch's backward. `adam` with comm.shard node: the baseline of the sharded 1-bit optimizers.
+    The ledger counts this rank's shard: the all-reduce between nodes, and FSDP2's collectives
+    inside the node (link "intra")."""
+
+    parameters_differ = False
+    max_steps_apart = 1
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        sharding: NodeSharding,
+        make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
+        *,
+        name: str,
+        weight_decay: float = 0.0,
+    ):
+        self.module = shard_model(model, sharding.mesh)
+        self.optimizer = make_optimizer(parameter_groups(model, weight_decay))
+        self.shard = shard_numel(model)
+        self.ledger = CommLedger(num_params=self.shard)
+        count_fsdp_traffic(model, self.ledger, sharding.ranks_per_node)
+        self.nodes, self.name, self.steps = sharding.nodes, name, 0
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """All but the last micro-batch: reduce-scattered inside the node only; FSDP2 adds their sums
+        to the last one's before its all-reduce across nodes, once per step."""
+        self.module.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            self.module.set_requires_all_reduce(True)
+
+    def keep_rounds_in_step(self, reason: str) -> None:
+        """FSDP2 reduces the raw gradients during backward, as clipping and loss scaling expect."""
+
+    def step(self) -> str:
+        self.optimizer.step()
+        self.ledger.record("hsdp_allreduce", payload_bits=32, elements=self.shard, bytes_sent=ring_allreduce_bytes(self.shard, 4, self.nodes))
+        self.ledger.end_step()
+        self.steps += 1
+        return FULL
+
+    @property
+    def variance_updates(self) -> int:
+        return self.steps
+
+    def next_step_communicates(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        """Parameters are identical across nodes after every step; nothing to do."""
+
+    def average_statistics(self) -> None:
+        """Buffers stay each rank's own, as FSDP2 keeps them."""
+
+    # Sharded: each rank's optimizer state is its shard's (checkpoints of sharded runs are per rank).
+    def shared_state_dict(self) -> dict:
+        return {"ddp_optimizer": self.name, "ledger": self.ledger.state_dict(), "steps": self.steps}
+
+    def rank_state_dict(self) -> dict:
+        """The torch optimizer's state with this rank's shards as plain tensors (a checkpoint holds no DTensor)."""
+        state = self.optimizer.state_dict()
+        return {"state": {**state, "state": {i: {k: local_shard(v) for k, v in s.items()} for i, s in state["state"].items()}}}
+
+    def load_state_dicts(self, shared: dict, rank: dict) -> None:
+        if shared.get("ddp_optimizer") != self.name:
+            raise ValueError(f"the checkpoint holds another optimizer's state, not {self.name}'s (HSDP with {type(self.optimizer).__name__})")
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        saved = rank["state"]
+        state = {}  # the shards back into DTensors shaped as their parameters
+        for i, entries in saved["state"].items():
+            p = params[int(i)]
+            state[i] = {
+                k: DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()) if v.shape == local_shard(p).shape and v.dim() else v
+                for k, v in entries.items()
+            }
+        self.optimizer.load_state_dict({**saved, "state": state})
+        self.ledger.load_state_dict(shared["ledger"])
+        self.steps = shared["steps"]
+
+    def load_resharded(self, shared: dict) -> None:
+        raise UserError(f"{self.name} sharded inside the node resumes at the topology it was saved at; resume without --reshard.")
+
+
 class SelfSyncing(_HoldsTorchOptimizer):
     """An optimizer that does its own data-parallel communication (a DataParallelOptimizer), driving
     the model itself: no DDP wrapper. `name` is how its messages call it (the recipe's name)."""
@@ -272,6 +365,8 @@ class SelfSyncing(_HoldsTorchOptimizer):
                 f"{name} cannot train {sparse[0]}: it makes sparse gradients (sparse=True), which the 1-bit optimizers do not "
                 "support (their state and error buffers are dense); build it with sparse=False or use optimizer.name adam."
             )
+        if optimizer.shard_group is not None:  # sharded inside the node: FSDP2's collectives there are counted too
+            count_fsdp_traffic(model, optimizer.ledger, dist.get_world_size(optimizer.shard_group))
         self._named = list(model.named_parameters())
         self._trainable = [p.requires_grad for _, p in self._named]  # the set the optimizer's state was laid out for
         optimizer.average_at_sync(batchnorm_statistics(model))

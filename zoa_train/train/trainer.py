@@ -12,6 +12,7 @@ averaged in full precision, and a global norm would cost a full-precision allred
 """
 
 import contextlib
+import functools
 import logging
 import random
 import signal
@@ -24,7 +25,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from zoa_train.comm import ClusterCollective, TopologyChanged
+from zoa_train.comm import ClusterCollective, OneBitAllReduce, TopologyChanged
+from zoa_train.comm.sharding import full_model_state, load_full_model_state, local_shard, node_sharding
 from zoa_train.config import Recipe, check_batch_layout, recipe_from_dict
 from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import STOP_SIGNALS, init_process_group, restart_count, threads_per_rank
@@ -143,6 +145,10 @@ def _plain_numpy_state(state: tuple) -> tuple:
     return (name, keys.tolist(), *rest)
 
 
+def _layout_words(layout: list[int] | None) -> str:
+    return f"sharded on {layout[0]} nodes x {layout[1]} ranks" if layout else "unsharded"
+
+
 def rank_seed(seed: int, rank: int) -> int:
     """A seed for this rank's own random draws, unrelated to the other ranks' and to `seed` itself."""
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1)
@@ -180,11 +186,18 @@ class Trainer:
         # fp16 would need the scale that flat fp16 rounds take, so it (and fp32) stays fp32 there.
         intra_dtype = torch.bfloat16 if recipe.optimizer.allreduce_dtype == "bf16" else torch.float32
         c = recipe.comm
-        sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap)
-        self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if c.shard == "node":  # the model sharded inside each node, its shards exchanged flat between nodes
+            self.sharding = node_sharding(c.ranks_per_node)
+            sync = functools.partial(OneBitAllReduce, kernels=c.kernels)
+            if self.is_main:
+                print(f"sharded inside the node (FSDP2), {self.sharding.groups.describe()}", flush=True)
+        else:
+            self.sharding = None
+            sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap)
+        self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync, sharding=self.sharding)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]  # this rank's shards when sharded
         self._no_overlap_when_gradients_change(recipe)
-        if sync.chosen and self.is_main:
+        if self.sharding is None and sync.chosen and self.is_main:
             if sync.chosen.startswith("hierarchical"):  # flat on one node is what everyone expects: not said
                 print(sync.chosen, flush=True)
             if sync.fell_back:
@@ -424,12 +437,15 @@ class Trainer:
                 "python": random.getstate(),
             },
         }
-        if self.opt.parameters_differ:
-            rank_state["model"] = self.model.state_dict()  # inside a local-step period each rank's parameters differ
+        if self.opt.parameters_differ:  # inside a local-step period each rank's (each node's) parameters differ
+            rank_state["model"] = {k: local_shard(v).clone() for k, v in self.model.state_dict().items()} if self.sharding else self.model.state_dict()
+        if self.sharding:  # sharded: the optimizer's state is this rank's shard's, so each rank keeps all of it
+            rank_state["optimizer_shared"] = self.opt.shared_state_dict()
+        model = full_model_state(self.model) if self.sharding else self.model.state_dict()  # sharded: a collective
         shared = {}
         if self.is_main:
             shared = {
-                "model.pt": self.model.state_dict(),
+                "model.pt": model,
                 "optimizer.pt": self.opt.shared_state_dict(),
                 "trainer.pt": {
                     "step": self.step,
@@ -437,6 +453,7 @@ class Trainer:
                     "wall_time": self.wall_offset,
                     "world_size": self.world,
                     "skipped_nonfinite": self.skipped_nonfinite,
+                    "sharded": self._shard_layout(),
                 },
             }
         self.run_dir.save(self.step, self.rank, self.world, rank_state, shared, self.recipe.train.keep_checkpoints, not self.opt.parameters_differ)
@@ -447,14 +464,21 @@ class Trainer:
         load = self.run_dir.load
         saved_world = read_marker(path)["world_size"]
         resharded = saved_world != self.world  # only with --reshard (RunDirectory.check refuses it otherwise)
+        shared = load(path, "trainer.pt")
+        saved_layout = shared.get("sharded")
+        if saved_layout != self._shard_layout():
+            raise UserError(
+                f"cannot resume from {path}: it was saved {_layout_words(saved_layout)} and this run is {_layout_words(self._shard_layout())}; "
+                "resume with the comm.shard and node layout that wrote it."
+            )
         self._load_model(path, load(path, "model.pt"))
         mine = load(path, f"rank_{min(self.rank, saved_world - 1):05d}.pt")
         if "model" in mine and not resharded:
-            self._load_model(path, mine["model"])
+            self._load_model(path, mine["model"], local=bool(self.sharding))
         try:
             if not resharded:
                 try:
-                    self.opt.load_state_dicts(load(path, "optimizer.pt"), mine["optimizer"])
+                    self.opt.load_state_dicts(mine.get("optimizer_shared") or load(path, "optimizer.pt"), mine["optimizer"])
                 except TopologyChanged:  # another comm.topology or node layout: only --reshard continues
                     if not self.reshard:
                         raise
@@ -481,14 +505,21 @@ class Trainer:
                 torch.cuda.set_rng_state(mine["rng"]["device"], self.device)
             np.random.set_state(tuple(mine["rng"]["numpy"]))
             random.setstate(mine["rng"]["python"])
-        shared = load(path, "trainer.pt")
         self.scheduler.load_state_dict(shared["scheduler"])
         self.scaler.load_state_dict(mine["scaler"] if "scaler" in mine else shared["scaler"])  # older checkpoints kept one scale
         self.step, self.wall_offset = shared["step"], shared["wall_time"]
         self.skipped_nonfinite = shared.get("skipped_nonfinite", 0)
 
-    def _load_model(self, path: Path, state: dict) -> None:
-        """Copy a checkpoint's weights in, or refuse a checkpoint of another model in one sentence."""
+    def _shard_layout(self) -> list[int] | None:
+        """[nodes, ranks per node] of a sharded run (what its per-rank state depends on), None unsharded."""
+        return [self.sharding.nodes, self.sharding.ranks_per_node] if self.sharding else None
+
+    def _load_model(self, path: Path, state: dict, local: bool = False) -> None:
+        """Copy a checkpoint's weights in (whole tensors; with `local`, this rank's shards), or refuse a
+        checkpoint of another model in one sentence."""
+        if local:
+            torch._foreach_copy_([local_shard(v) for v in self.model.state_dict().values()], list(state.values()))
+            return
         own = self.model.state_dict()
         missing = [k for k in own if k not in state]
         unexpected = [k for k in state if k not in own]
@@ -502,7 +533,10 @@ class Trainer:
                 f"cannot resume from {path}: it holds another model ({len(missing)} tensors missing, {len(unexpected)} extra, "
                 f"{len(reshaped)} of another shape; {first}); resume with the model section of the recipe that wrote it."
             )
-        self.model.load_state_dict(state)
+        if self.sharding:
+            load_full_model_state(self.model, state)
+        else:
+            self.model.load_state_dict(state)
 
     def close(self) -> None:
         try:
