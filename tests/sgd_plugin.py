@@ -36,6 +36,11 @@ def plan(ctx: registry.PlanContext) -> registry.PlanCounts:
     return registry.PlanCounts(fp_allreduces=ctx.steps, onebit_allreduces=0, rounds=ctx.steps, syncs=ctx.steps, variance_updates=0)
 
 
+def memory(ctx: registry.MemoryContext) -> registry.MemoryCounts:
+    """What plan counts per rank: torch's SGD keeps one momentum buffer like each parameter."""
+    return registry.MemoryCounts(registry.fp32(momentum_buffer=sum(map(sum, ctx.sizes))))
+
+
 SPEC = registry.register(
     registry.OptimizerSpec(
         name="sgd",
@@ -46,5 +51,6 @@ SPEC = registry.register(
         checks={"momentum": checks.non_negative},
         plan_note=lambda record: f"SGD (plugin): {record['rounds']:,} rounds",
         colour="#2ca02c",
+        memory=memory,
     )
 )

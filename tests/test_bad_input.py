@@ -245,6 +245,7 @@ COMMAND_CASES = {
     "plan for zero nodes": (lambda tmp: ["plan", RECIPE, "--nodes", "0"], "--nodes must be at least 1, not 0"),
     "plan for negative ranks": (lambda tmp: ["plan", RECIPE, "--world-size", "-2"], "--world-size must be at least 1, not -2"),
     "plan for nodes of no GPU": (lambda tmp: ["plan", RECIPE, "--gpus-per-node", "0"], "--gpus-per-node must be at least 1, not 0"),
+    "plan for GPU memory that is not an amount": (lambda tmp: ["plan", RECIPE, "--gpu-memory", "80Gb"], "GPU memory '80Gb' is not understood"),
     "bench comm without GPUs for nccl": (lambda tmp: ["bench", "comm", "--backend", "nccl", "--sizes", "1k"], "--backend nccl needs a GPU for each of the 2"),
     "bench comm of more memory than there is": (lambda tmp: ["bench", "comm", "--sizes", "1024G"], "--sizes 1,099,511,627,776 elements need about"),
     "report on records that are not objects": (run_with_metrics("[1, 2]"), "metrics.jsonl line 1 is a JSON list, not an object"),

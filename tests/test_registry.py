@@ -93,6 +93,8 @@ def test_plan_counts_the_plugin_beside_the_built_in_optimizers():
     steps = result["sgd"]["steps"]
     assert result["sgd"]["rounds"] == steps and result["sgd"]["bits_per_param"] == 16  # bf16 allreduces
     assert result["sgd"]["bytes_per_rank"] == result["adam"]["bytes_per_rank"]  # both one fp32 allreduce a step
+    memory = result["sgd"]["memory_per_rank"]  # what the plugin's entry declares: one momentum buffer
+    assert memory["state_buffers"] == {"momentum_buffer": memory["params"]} and memory["total"] == 3 * memory["params"]
     table = zoa("plan", "recipes/gpt2_tiny.yaml", *PLUGIN)
     assert "SGD (plugin)" in table.stdout and f"SGD (plugin): {steps:,} rounds" in table.stdout
 

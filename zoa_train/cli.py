@@ -279,15 +279,18 @@ def plan_command(
         ),
     ] = 0.0,
     params: Annotated[int, typer.Option(help="Parameter count. [default: counted from the recipe's model]", show_default=False)] = 0,
+    gpu_memory: Annotated[
+        str, typer.Option(help="Memory of one GPU, e.g. 80GB or 80GiB: marks what fits, with the room left for activations.", show_default=False)
+    ] = "",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by optimizer name.")] = False,
 ) -> None:
-    """Communication of every optimizer (Adam, 1-bit Adam, 0/1 Adam, ...) over a whole recipe on N nodes of G ranks, without training; with --step-time, predicted step time, time to train and speed-ups."""
+    """Communication and memory per rank of every optimizer (Adam, 1-bit Adam, 0/1 Adam, ...) over a whole recipe on N nodes of G ranks, without training; with --step-time, predicted step time, time to train and speed-ups."""
     import math
 
     from zoa_train.comm.buckets import BUCKET_CAP_MB
     from zoa_train.config import load_recipe
     from zoa_train.optim import registry
-    from zoa_train.optim.plan import StepCosts, format_plan, parse_bandwidth, parse_latency, plan
+    from zoa_train.optim.plan import StepCosts, format_plan, parse_bandwidth, parse_latency, parse_memory, plan
 
     config = load_recipe(recipe, set_)
     for option, count in (("--nodes", nodes), ("--world-size", world_size), ("--gpus-per-node", gpus_per_node)):
@@ -313,7 +316,9 @@ def plan_command(
             overlap_bucket_bytes=overlap_bucket,
         )
     o = config.optimizer
-    shapes = parameter_shapes(config)
+    gpu_bytes = parse_memory(gpu_memory) if gpu_memory else None
+    named = named_parameter_shapes(config)
+    shapes = tuple(shape for _, shape in named)
     result = plan(
         config.train.steps,
         config.lr_schedule(),
@@ -329,6 +334,8 @@ def plan_command(
         costs=costs,
         betas=o.betas,
         param_shapes=shapes,
+        param_names=tuple(name for name, _ in named),
+        gpu_memory_bytes=gpu_bytes,
     )
     if as_json:
         print(dumps_json(result))
@@ -339,16 +346,21 @@ def plan_command(
             zoa_console.err.print(f"warning ({name}): {record['warning']}")
 
 
-def parameter_shapes(config) -> tuple[tuple[int, ...], ...]:
-    """The shapes of the recipe's model's parameters, built on the meta device (no memory, no download);
-    a language model's vocabulary is data.vocab_size, the size of a tokenizer trained for the recipe."""
+def named_parameter_shapes(config) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of the recipe's model's parameters, built on the meta device (no memory, no
+    download); a language model's vocabulary is data.vocab_size, the size of a tokenizer trained for the recipe."""
     import torch
 
     from zoa_train.tasks import task_class
 
     with torch.device("meta"):
         model = task_class(config).model_for_counting(config)
-    return tuple(tuple(p.shape) for p in model.parameters())
+    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
+
+
+def parameter_shapes(config) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the recipe's model's parameters (named_parameter_shapes)."""
+    return tuple(shape for _, shape in named_parameter_shapes(config))
 
 
 def count_parameters(config) -> int:

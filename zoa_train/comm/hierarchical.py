@@ -36,6 +36,7 @@ from zoa_train.comm.onebit import (
     check_topology,
     checked_accumulator,
     collective_device,
+    layout_buffers,
     onebit_layout,
 )
 from zoa_train.comm.topology import NodeGroups, choose, describe, discover_nodes, node_groups
@@ -57,6 +58,33 @@ def shard_layout(layout: OneBitLayout, index: int, parts: int) -> OneBitLayout:
             sizes.append(last - first)
             offsets.append(first - start)
     return OneBitLayout(tuple(sizes), tuple(offsets), k * layout.chunk, layout.chunk, layout.rows, layout.row, layout.segment)
+
+
+def hierarchical_buffers(
+    sizes,
+    nodes: int,
+    ranks_per_node: int,
+    device: torch.device | str = "cpu",
+    block_size: int | None = None,
+    scale_row: int = SCALE_ROW,
+    kernels: str | None = "auto",
+) -> dict[str, tuple[int, torch.dtype]]:
+    """(elements, dtype) of each buffer a HierarchicalOneBitAllReduce of `sizes` on `nodes` x
+    `ranks_per_node` ranks allocates, by the names `held_buffers` gives them: the accumulators
+    `_pending`; with G > 1 this rank's shard `_shard` and the all-gather's `_gathered`; with N > 1 the
+    flat allreduce of the shard among the nodes, its buffers (`layout_buffers`) prefixed `inter.`.
+    The same on every local rank (a shard's layout has the same chunks whichever shard it is)."""
+    g = ranks_per_node
+    layouts = [onebit_layout(s, nodes * g, scale_row) for s in _buffer_sizes(sizes)]
+    active = [l for l in layouts if l.active]
+    shard = sum(nodes * l.chunk for l in active)
+    buffers = {"_pending": (sum(l.padded for l in layouts), torch.float32)}
+    if g > 1:
+        buffers |= {"_shard": (shard, torch.float32), "_gathered": (g * shard, torch.float32)}
+    if nodes > 1 and active:
+        inter = layout_buffers([shard_layout(l, 0, g) for l in active], nodes, device, block_size, kernels)
+        buffers |= {f"inter.{name}": size for name, size in inter.items()}
+    return buffers
 
 
 class HierarchicalOneBitAllReduce(LaidOutCollective):
@@ -127,6 +155,15 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         """Per buffer, a buffer in its layout that the next `exchange()` averages; adding into it
         between calls is the same as passing the sum to `op`. Its padding must stay zero."""
         return self._accumulators
+
+    def held_buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer this collective holds, by the names `hierarchical_buffers` sizes them by."""
+        held = {"_pending": self._pending}
+        if self.nodes.ranks_per_node > 1:
+            held |= {"_shard": self._shard, "_gathered": self._gathered}
+        if self._inter is not None:
+            held |= {f"inter.{name}": t for name, t in self._inter.held_buffers().items()}
+        return held
 
     @property
     def bytes_per_call(self) -> int:

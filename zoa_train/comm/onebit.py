@@ -129,18 +129,27 @@ def onebit_buffers(
     device: torch.device | str = "cpu",
     block_size: int | None = None,
     scale_row: int = SCALE_ROW,
-    kernels: str = "auto",
+    kernels: str | None = "auto",
 ) -> dict[str, tuple[int, torch.dtype]]:
     """(elements, dtype) of each buffer a OneBitAllReduce of `sizes` (see OneBitAllReduce)
     allocates: the error buffers `_worker` (e_w, also the accumulator) and `_server` (e_s of this
     rank's chunks), the wire buffers `_send`, `_recv`, `_gathered` (n segments each) and `_mine`
     (one), and the scratch of its kernels (`kernels`, resolved on `device`: none for the fused ones,
-    per-block buffers for the torch path). Inactive (one rank or no elements): worker buffers of
-    numel and all others empty."""
-    device = torch.device(device)
+    per-block buffers for the torch path; None: none, as the fused kernels, without resolving a
+    backend here, for a plan of another machine). Inactive (one rank or no elements): worker
+    buffers of numel and all others empty."""
     layouts = [onebit_layout(s, world_size, scale_row) for s in _buffer_sizes(sizes)]
+    return layout_buffers(layouts, world_size, device, block_size, kernels)
+
+
+def layout_buffers(
+    layouts: Sequence[OneBitLayout], world_size: int, device: torch.device | str = "cpu", block_size: int | None = None, kernels: str | None = "auto"
+) -> dict[str, tuple[int, torch.dtype]]:
+    """`onebit_buffers` of a OneBitAllReduce built with `layouts` (buffers already laid out: the
+    node-aware sync's shards)."""
+    device = torch.device(device)
     active = [l for l in layouts if l.active]
-    scratch = select_kernels(kernels, device).scratch(active, world_size, device, block_size) if active else {}
+    scratch = select_kernels(kernels, device).scratch(active, world_size, device, block_size) if active and kernels is not None else {}
     return _allocations(layouts, world_size) | scratch
 
 

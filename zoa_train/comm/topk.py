@@ -81,6 +81,21 @@ def topk_wire(sizes, density: float, chunk: int = CHUNK) -> TopKWire:
     return TopKWire(chunks, topk_slots(density, chunk), max(1, (chunk - 1).bit_length()))
 
 
+def topk_buffers(sizes, world_size: int, density: float, chunk: int = CHUNK) -> dict[str, tuple[int, torch.dtype]]:
+    """(elements, dtype) of each buffer a TopKAllReduce of `sizes` on `world_size` ranks allocates:
+    the error `_error` (the accumulators, in the layouts back to back), which of its elements are
+    real (not padding) `_real`, this rank's message `_mine` and the all-gather's `_gathered` (one
+    message per rank)."""
+    message = topk_wire(sizes, density, chunk).message_bytes
+    layouts = [topk_layout(s, chunk) for s in _buffer_sizes(sizes)]
+    return {
+        "_error": (sum(l.padded for l in layouts), torch.float32),
+        "_real": (sum(l.padded for l in layouts if l.active), torch.bool),
+        "_mine": (message, torch.uint8),
+        "_gathered": (world_size * message, torch.uint8),
+    }
+
+
 def pack_bits(values: torch.Tensor, width: int) -> torch.Tensor:
     """Non-negative integers below 2**width, `width` bits each, back to back, least significant bit
     first, in bytes (the last one padded with zeros)."""
@@ -133,18 +148,27 @@ class TopKAllReduce(LaidOutCollective):
         self.numel = sum(l.numel for l in self.layouts)
         self.wire = topk_wire(sizes, density, chunk)
         self._scratch: dict = {}  # LaidOutCollective.op's, for packed tensors
-        self._error = torch.zeros(sum(l.padded for l in self.layouts), device=self.device)
+        for name, (size, dtype) in topk_buffers(sizes, self.world_size, density, chunk).items():
+            setattr(self, name, torch.zeros(size, dtype=dtype, device=self.device))
         self._accumulators = list(self._error.split([l.padded for l in self.layouts]))
-        # Per active buffer: its index, the real (non-padding) elements as (chunks, chunk) flags.
-        self._active = [(i, _real(l).to(self.device).view(-1, l.row)) for i, l in enumerate(self.layouts) if l.active]
-        self._mine = torch.zeros(self.wire.message_bytes, dtype=torch.uint8, device=self.device)
-        self._gathered = torch.zeros(self.world_size * self.wire.message_bytes, dtype=torch.uint8, device=self.device)
+        # Per active buffer: its index, the real (non-padding) elements as (chunks, chunk) flags (in _real).
+        self._active, start = [], 0
+        for i, layout in enumerate(self.layouts):
+            if layout.active:
+                flags = self._real[start : start + layout.padded]
+                flags.copy_(_real(layout))
+                self._active.append((i, flags.view(-1, layout.row)))
+                start += layout.padded
 
     @property
     def accumulators(self) -> list[torch.Tensor]:
         """Per buffer, the error carried to the next `exchange` (in its layout); adding into it between
         calls is the same as passing the sum. Its padding must stay zero."""
         return self._accumulators
+
+    def held_buffers(self) -> dict[str, torch.Tensor]:
+        """Every buffer this collective holds, by the names `topk_buffers` sizes them by."""
+        return {name: getattr(self, name) for name in ("_error", "_real", "_mine", "_gathered")}
 
     @property
     def bytes_per_call(self) -> int:

@@ -44,6 +44,17 @@ when it is ready and the previous one is done, and only what is left when backwa
 step. The 1-bit optimizers communicate inside `step()`, after backward, unless their rounds overlap
 backward (`StepCosts.overlap`, a recipe's comm.overlap): then each round is modelled as DDP's is, in
 buckets of `overlap_bucket_bytes` (comm.bucket_cap_mb), and only its exposed part adds to the step.
+
+Memory per rank (`memory_per_rank`, docs/algorithm.md "Memory per rank"): fp32 parameters and
+gradients, and what each optimizer's registry entry says it holds (OptimizerSpec.memory: its state,
+and its collective's scratch, sized by the functions the collectives allocate by: onebit_buffers,
+hierarchical_buffers, topk_buffers), laid out in the trainer's two parameter groups (matrices and
+kernels, then the rest) where the model's shapes are known. The collectives are planned with the fused
+kernels (auto on GPUs and CPUs), which keep no scratch. Sharded (`memory_per_rank_sharded`, comm.shard
+node): FSDP2 over the G ranks of each node, every tensor cut on its first dimension (padded to a
+multiple of G rows), the optimizer on its shard exchanging with the N ranks holding the same shard,
+plus the unsharded fp32 parameters and gradients of FSDP2's largest unit. Activations, the CUDA
+context and the allocator's slack are not modelled, nor tensors made and freed inside a step.
 """
 
 import math
@@ -54,11 +65,12 @@ from dataclasses import dataclass
 from rich.table import Table
 
 from zoa_train.comm.collectives import ring_allreduce_bytes
-from zoa_train.comm.onebit import onebit_layout
+from zoa_train.comm.hierarchical import hierarchical_buffers
+from zoa_train.comm.onebit import onebit_buffers, onebit_layout
 from zoa_train.errors import UserError
 from zoa_train.optim import registry
 from zoa_train.optim.lr_schedules import LRSchedule
-from zoa_train.optim.registry import PlanContext, PlanCounts
+from zoa_train.optim.registry import MemoryContext, MemoryCounts, OptimizerSpec, PlanContext, PlanCounts, collective_memory
 
 ALLREDUCE_BITS = (16, 32)
 BACKENDS = ("nccl", "gloo")
@@ -262,6 +274,8 @@ def plan(
     costs: StepCosts | None = None,
     betas: tuple[float, float] = (0.9, 0.999),
     param_shapes: tuple[tuple[int, ...], ...] = (),
+    param_names: tuple[str, ...] = (),
+    gpu_memory_bytes: float | None = None,
     **knobs,
 ) -> dict[str, dict]:
     """Per registered optimizer name, the run's communication totals on `world_size` ranks, nodes of
@@ -275,7 +289,15 @@ def plan(
     optimizers, speedup_vs_onebit_adam. An optimizer that takes the 1-bit collective gets a
     "hierarchical" record of the same keys for the node-aware sync when there are several nodes of
     several ranks. `knobs` are optimizer knobs by name, as in a recipe's optimizer section; each
-    optimizer takes its own, and the library's defaults stand for the rest."""
+    optimizer takes its own, and the library's defaults stand for the rest.
+
+    Each record (the node-aware one too) also holds memory_per_rank (`memory_per_rank`: bytes of
+    params, grads, optimizer_state, scratch and their total, by buffer in state_buffers and
+    scratch_buffers; None for an optimizer whose entry declares none) and, with several ranks a node,
+    memory_per_rank_sharded (FSDP2 inside the node; None where not planned sharded). The model's
+    `param_shapes` and `param_names` (model order) lay the state out as the trainer does and find
+    FSDP2's units; with `gpu_memory_bytes` each memory record says whether it fits and the headroom
+    left (for activations, which are not modelled)."""
     _check(steps >= 0, f"steps must be >= 0, got {steps}.")
     _check(world_size >= 1, f"world size must be at least 1, got {world_size}.")
     _check(ranks_per_node >= 1 and world_size % ranks_per_node == 0, f"ranks per node ({ranks_per_node}) must divide the world size ({world_size}).")
@@ -285,6 +307,7 @@ def plan(
     _check(intra_bandwidth_bytes_per_s > 0, f"intra-node bandwidth must be a positive number of bytes/s, got {intra_bandwidth_bytes_per_s}.")
     _check(latency_s >= 0 and math.isfinite(latency_s), f"latency must be a non-negative number of seconds, got {latency_s}.")
     _check(backend in BACKENDS, f"backend must be nccl or gloo, got {backend!r}.")
+    _check(gpu_memory_bytes is None or 0 < gpu_memory_bytes < math.inf, f"GPU memory must be a positive number of bytes, got {gpu_memory_bytes}.")
     if costs is not None:
         _check(costs.step_time > 0 and math.isfinite(costs.step_time), f"step time must be a positive number of seconds, got {costs.step_time}.")
         _check(0 <= costs.backward_fraction <= 1, f"the backward fraction must be between 0 and 1, got {costs.backward_fraction}.")
@@ -306,6 +329,15 @@ def plan(
             lambda elements: hierarchical_onebit_cost(elements, element, cluster, rate, reduce),
         )
     topologies = {name: (fp(num_params), onebit(num_params)) for name, (fp, onebit) in rounds.items()}
+
+    # Memory: the same parameters unsharded on every rank, or sharded over the G ranks of a node with the
+    # exchange among the N ranks that hold the same shard.
+    nodes, groups = cluster.nodes, parameter_groups(num_params, param_shapes)
+    flat_comm = lambda sizes: collective_memory(onebit_buffers(sizes, world_size, kernels=None))  # noqa: E731
+    node_comm = lambda sizes: collective_memory(hierarchical_buffers(sizes, nodes, ranks_per_node, kernels=None))  # noqa: E731
+    shard_comm = lambda sizes: collective_memory(onebit_buffers(sizes, nodes, kernels=None))  # noqa: E731
+    shards = tuple(tuple(shard_shape(shape, ranks_per_node) for shape in group) for group in groups)
+    unit = largest_fsdp_unit(num_params, param_shapes, param_names)
 
     def added(cost) -> float | None:
         if costs is None or not costs.overlap:
@@ -338,10 +370,80 @@ def plan(
             )
             for topology, (fp, onebit) in (topologies.items() if spec.uses_collective else [("flat", topologies["flat"])])
         }
+        for topology, comm in (("flat", flat_comm), ("hierarchical", node_comm)):
+            if topology in records:
+                records[topology]["memory_per_rank"] = memory_per_rank(spec, context.knobs, groups, world_size, comm, gpu_memory=gpu_memory_bytes)
         result[name] = records.pop("flat") | records
+        if ranks_per_node > 1:  # with one rank a node sharding changes nothing
+            result[name]["memory_per_rank_sharded"] = memory_per_rank(spec, context.knobs, shards, nodes, shard_comm, unit, gpu_memory_bytes)
     if costs is not None:
         _add_speedups(result)
     return result
+
+
+# A parameter of a numbered block (transformer.h.3., model.layers.3., encoder.layer.3.): FSDP2 unit of that block.
+_BLOCK = re.compile(r"^(.*?\.\d+)\.")
+
+
+def parameter_groups(num_params: int, param_shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The shapes in the trainer's parameter groups (zoa_train.optim.training.parameter_groups: matrices
+    and kernels, then the rest), or one vector of num_params where the shapes are unknown or count
+    another number."""
+    if not param_shapes or sum(math.prod(shape) for shape in param_shapes) != num_params:
+        return (((num_params,),),)
+    return tuple(s for s in param_shapes if len(s) >= 2), tuple(s for s in param_shapes if len(s) < 2)
+
+
+def shard_shape(shape: tuple[int, ...], ranks: int) -> tuple[int, ...]:
+    """A rank's FSDP2 shard of a tensor of `shape` over `ranks`: ceil(rows / ranks) rows (FSDP2 pads
+    every shard to rank 0's)."""
+    return (-(-shape[0] // ranks), *shape[1:]) if shape else shape
+
+
+def largest_fsdp_unit(num_params: int, param_shapes: tuple[tuple[int, ...], ...], param_names: tuple[str, ...]) -> tuple[int, str]:
+    """(parameters, which) of FSDP2's largest unit, taking one unit per numbered block (a parameter path
+    with a layer index: transformer.h.3, model.layers.3) and the root for the rest (embeddings, final
+    norm, output layer), as fully_shard is applied to each block and then to the model; scaled to
+    num_params where the shapes count another number. Without names: the whole model."""
+    counted = sum(math.prod(shape) for shape in param_shapes)
+    if not counted or len(param_names) != len(param_shapes):
+        return num_params, "the whole model (units unknown)"
+    units: dict[str, int] = {}
+    for name, shape in zip(param_names, param_shapes):
+        match = _BLOCK.match(name)
+        key = match.group(1) if match else ""
+        units[key] = units.get(key, 0) + math.prod(shape)
+    key = max(units, key=units.get)
+    return round(units[key] * num_params / counted), f"a block ({key})" if key else "the root (what no numbered block holds)"
+
+
+def memory_per_rank(
+    spec: OptimizerSpec,
+    knobs,
+    shapes: tuple[tuple[tuple[int, ...], ...], ...],
+    world_size: int,
+    collective: Callable[[list[list[int]]], MemoryCounts],
+    unit: tuple[int, str] | None = None,
+    gpu_memory: float | None = None,
+) -> dict | None:
+    """Bytes one rank holds to train with `spec`'s optimizer over parameters of `shapes` (by group; a
+    shard of each when `unit`, FSDP2's largest unit, is given) exchanging among `world_size` ranks
+    through `collective`: fp32 params and grads, its optimizer state and scratch, and sharded the
+    unit's unsharded fp32 params and grads. None where its entry plans none."""
+    counts = spec.memory(MemoryContext(shapes, world_size, knobs, collective, unit is not None)) if spec.memory else None
+    if counts is None:
+        return None
+    elements = sum(math.prod(shape) for group in shapes for shape in group)
+    record = {"params": 4 * elements, "grads": 4 * elements, "optimizer_state": sum(counts.state.values()), "scratch": sum(counts.scratch.values())}
+    if unit is not None:
+        record["fsdp_unit"] = 2 * 4 * unit[0]
+    record["total"] = sum(record.values())
+    if unit is not None:
+        record |= {"fsdp_unit_params": unit[0], "fsdp_unit_is": unit[1]}
+    record |= {"state_buffers": dict(counts.state), "scratch_buffers": dict(counts.scratch)}
+    if gpu_memory is not None:
+        record |= {"fits": record["total"] <= gpu_memory, "headroom": gpu_memory - record["total"]}
+    return record
 
 
 def _add_speedups(result: dict[str, dict]) -> None:
@@ -413,6 +515,22 @@ def parse_latency(text: str | float) -> float:
     return value * scale
 
 
+_MEMORY_UNITS = {"": 1, "B": 1, "kB": 1e3, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+
+
+def parse_memory(text: str | float) -> float:
+    """Bytes of memory from e.g. "80GB", "141 GB", "80GiB" or "8e10" (bytes); GB is 1e9 bytes, GiB 2^30."""
+    match = _QUANTITY.match(str(text))
+    if match is None or match.group(3) or match.group(2) not in _MEMORY_UNITS:
+        raise UserError(
+            f"GPU memory {text!r} is not understood: expected a positive amount with a unit GB, GiB, TB or MB, e.g. 80GB, plain numbers being bytes."
+        )
+    value = float(match.group(1)) * _MEMORY_UNITS[match.group(2)]
+    if not (value > 0 and math.isfinite(value)):
+        raise UserError(f"GPU memory {text!r} must be a positive finite amount, e.g. 80GB.")
+    return value
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
@@ -440,15 +558,14 @@ def format_plan(result: dict[str, dict]) -> Table:
     names = [name for name in registry.names() if name in result]
     title = f"Communication plan, {result[names[0]]['steps']:,} steps"
     notes = [spec.plan_note(result[spec.name]) for spec in map(registry.get, names) if spec.plan_note is not None]
-    caption = "; ".join(notes) or None
     base = result.get(registry.BASELINE)
     node_aware = any("hierarchical" in result[name] for name in names)
     columns = []
     for name in names:
         record = result[name]
         columns.append((name, record, "flat" if "hierarchical" in record else ""))
-        if "hierarchical" in record:
-            columns.append((name, record["hierarchical"], "node-aware"))
+        if "hierarchical" in record:  # sharding replaces the node-aware sync: the same sharded figures
+            columns.append((name, record["hierarchical"] | {"memory_per_rank_sharded": record.get("memory_per_rank_sharded")}, "node-aware"))
     rows = [
         ("|T_v| (variance updates)", lambda r: f"{r['variance_updates']:,}"),
         ("rounds", lambda r: f"{r['rounds']:,}"),
@@ -473,7 +590,46 @@ def format_plan(result: dict[str, dict]) -> Table:
             ("speed-up vs Adam", lambda r: f"{r['speedup_vs_adam']:.2f}x" if r.get("speedup_vs_adam") else "-"),
             ("speed-up vs 1-bit Adam", lambda r: f"{r['speedup_vs_onebit_adam']:.2f}x" if r.get("speedup_vs_onebit_adam") else "-"),
         ]
-    return optimizer_table(title, caption, columns, rows)
+    memory_rows, memory_notes = _memory_rows(columns)
+    caption = "; ".join(notes + memory_notes) or None
+    return optimizer_table(title, caption, columns, rows + memory_rows)
+
+
+def _memory_rows(columns: list[tuple]) -> tuple[list[tuple[str, Callable[[dict], str]]], list[str]]:
+    """The rows of memory per rank (unsharded; sharded where planned) and the notes they need, for
+    format_plan's columns."""
+    rows, notes = [], []
+    for key, prefix in (("memory_per_rank", ""), ("memory_per_rank_sharded", "sharded: ")):
+        planned = [record[key] for _, record, _ in columns if record.get(key)]
+        if not planned:
+            continue
+        unplanned = dict.fromkeys(registry.get(name).title for name, record, _ in columns if not record.get(key))
+        if unplanned:
+            notes.append(f"{prefix}memory not planned for {', '.join(unplanned)}")
+
+        def cell(figure, key=key):
+            return lambda r: figure(r[key]) if r.get(key) else "-"
+
+        rows += [
+            (f"{prefix}params + grads / rank", cell(lambda m: format_bytes(m["params"] + m["grads"]))),
+            (f"{prefix}optimizer state / rank", cell(lambda m: format_bytes(m["optimizer_state"]))),
+            (f"{prefix}comm scratch / rank", cell(lambda m: format_bytes(m["scratch"]))),
+        ]
+        if key == "memory_per_rank_sharded":
+            rows.append((f"{prefix}FSDP2 unit unsharded", cell(lambda m: format_bytes(m["fsdp_unit"]))))
+            unit = planned[0]
+            notes.append(
+                f"sharded: FSDP2 over each node's ranks, the optimizer exchanging its shard between nodes, "
+                f"largest unit {unit['fsdp_unit_is']}: {unit['fsdp_unit_params'] / 1e6:,.1f}M params, their fp32 params and grads unsharded at once"
+            )
+        rows.append((f"{prefix}memory / rank", cell(lambda m: format_bytes(m["total"]))))
+        if "fits" in planned[0]:
+            size = format_bytes(planned[0]["total"] + planned[0]["headroom"])
+            fits = lambda m: f"yes, {format_bytes(m['headroom'])} left" if m["fits"] else f"no, {format_bytes(-m['headroom'])} over"  # noqa: E731
+            rows.append((f"{prefix}fits in {size}", cell(fits)))
+    if rows:
+        notes.append("memory / rank: fp32 params, grads, optimizer state and comm scratch, activations not modelled")
+    return rows, notes
 
 
 def optimizer_table(title: str, caption: str | None, columns: list[tuple], lines: list[tuple[str, Callable[[dict], str]]]) -> Table:

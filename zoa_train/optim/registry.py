@@ -25,8 +25,9 @@ import torch.distributed as dist
 from zoa_train import checks
 from zoa_train.checks import Check
 from zoa_train.comm import CollectiveFactory, OneBitAllReduce, TopKAllReduce
+from zoa_train.comm.onebit import onebit_layout
 from zoa_train.comm.sharding import NodeSharding, is_sharded, shard_model
-from zoa_train.comm.topk import topk_wire
+from zoa_train.comm.topk import topk_buffers, topk_layout, topk_wire
 from zoa_train.errors import UserError
 from zoa_train.optim.adam import DataParallelAdam
 from zoa_train.optim.diloco import DiLoCo, OuterSchedule
@@ -156,6 +157,61 @@ class PlanCounts:
 
 
 @dataclass(frozen=True)
+class MemoryCounts:
+    """Bytes one rank's optimizer holds, by buffer name: `state` kept from step to step (moments,
+    anchors, error feedback, a collective's accumulators), `scratch` what its collective keeps only to
+    rewrite at every call (wire buffers, kernel scratch). Tensors made and freed inside a step are
+    not counted."""
+
+    state: Mapping[str, int]
+    scratch: Mapping[str, int] = field(default_factory=dict)
+
+
+# A collective's buffers that carry something from one call to the next (errors, accumulators, which
+# elements are real): state; the others are rewritten at every call: scratch.
+COLLECTIVE_STATE = ("_worker", "_server", "_pending", "inter._worker", "inter._server", "_error", "_real")
+
+
+def collective_memory(buffers: Mapping[str, tuple[int, torch.dtype]]) -> MemoryCounts:
+    """A collective's buffers as its sizing function gives them (onebit_buffers, hierarchical_buffers,
+    topk_buffers: (elements, dtype) by name) in bytes, each named collective.<name>."""
+    state, scratch = {}, {}
+    for name, (elements, dtype) in buffers.items():
+        (state if name in COLLECTIVE_STATE else scratch)[f"collective.{name}"] = elements * dtype.itemsize
+    return MemoryCounts(state, scratch)
+
+
+@dataclass(frozen=True)
+class MemoryContext:
+    """What a spec's `memory` gets: the parameters its optimizer keeps state for on one rank, as shapes
+    by parameter group (the trainer's two: matrices and kernels, then the rest), the whole model's or,
+    `sharded`, this rank's FSDP2 shard of each; `world_size`, the ranks its exchange runs among (all of
+    them, or sharded the N that hold the same shard, one a node); its knobs; and `collective(sizes)`,
+    the MemoryCounts of the 1-bit collective the plan prices (flat or node-aware) for buffers of
+    `sizes` (tensor sizes by group)."""
+
+    shapes: tuple[tuple[tuple[int, ...], ...], ...]
+    world_size: int
+    knobs: Any
+    collective: Callable[[list[list[int]]], MemoryCounts]
+    sharded: bool = False
+
+    @property
+    def sizes(self) -> list[list[int]]:
+        return [[math.prod(shape) for shape in group] for group in self.shapes]
+
+    def padded(self) -> int:
+        """Elements of a flat buffer of every group in the 1-bit layouts of this exchange (the layouts
+        the self-syncing optimizers keep their state in, padding included)."""
+        return sum(onebit_layout(sizes, self.world_size).padded for sizes in self.sizes)
+
+
+def fp32(**elements: int) -> dict[str, int]:
+    """Bytes of fp32 buffers of these elements, by name."""
+    return {name: 4 * n for name, n in elements.items()}
+
+
+@dataclass(frozen=True)
 class OptimizerSpec:
     name: str  # optimizer.name in a recipe
     title: str  # in tables and plots
@@ -169,6 +225,9 @@ class OptimizerSpec:
     shardable: bool = False  # its build honours BuildContext.sharding (comm.shard node)
     # A rule across its knobs: None, or what is wrong in one sentence (checked at recipe load and by `create`).
     rule: Callable[[Any], str | None] | None = None
+    # What its optimizer holds on one rank besides parameters and gradients (`plan`'s memory); None, or
+    # None returned (e.g. sharded, for an optimizer that cannot be): not planned.
+    memory: Callable[[MemoryContext], MemoryCounts | None] | None = None
 
     def check_rule(self, knobs: Any) -> str | None:
         """What its `rule` says of `knobs` (an instance of its knobs dataclass), None when it is kept."""
@@ -327,7 +386,32 @@ def _plan_adam(ctx: PlanContext) -> PlanCounts:
     return PlanCounts(fp_allreduces=ctx.steps, onebit_allreduces=0, rounds=ctx.steps, syncs=ctx.steps, variance_updates=ctx.steps)
 
 
-register(OptimizerSpec("adam", "Adam", _build_adam, _plan_adam, colour="#444444", shardable=True))
+def adamw_state(ctx: MemoryContext) -> dict[str, int]:
+    """torch.optim.AdamW's state: exp_avg and exp_avg_sq like every parameter, and its step (a 0-d fp32
+    tensor per parameter)."""
+    sizes = [n for group in ctx.sizes for n in group]
+    return fp32(exp_avg=sum(sizes), exp_avg_sq=sum(sizes), step=len(sizes))
+
+
+def _memory_adam(ctx: MemoryContext) -> MemoryCounts:
+    """AdamW's state (sharded: on each shard, torch's HSDP). DDP keeps no gradient copy: its buckets are
+    the gradients (gradient_as_bucket_view). Without bias correction DataParallelAdam holds the same two
+    moments, flat, and no step tensors."""
+    return MemoryCounts(adamw_state(ctx))
+
+
+register(OptimizerSpec("adam", "Adam", _build_adam, _plan_adam, colour="#444444", memory=_memory_adam, shardable=True))
+
+
+def _memory_self_syncing(*buffers: str) -> Callable[[MemoryContext], MemoryCounts]:
+    """The memory of an optimizer that keeps `buffers` flat, in its collective's layouts, and its
+    collective's own buffers."""
+
+    def memory(ctx: MemoryContext) -> MemoryCounts:
+        comm = ctx.collective(ctx.sizes)
+        return MemoryCounts({**fp32(**dict.fromkeys(buffers, ctx.padded())), **comm.state}, comm.scratch)
+
+    return memory
 
 
 @dataclass
@@ -359,6 +443,7 @@ register(
         colour="#e07b00",
         uses_collective=True,
         shardable=True,
+        memory=_memory_self_syncing("exp_avg", "exp_avg_sq"),
     )
 )
 
@@ -457,6 +542,7 @@ register(
         colour="#1f6fc0",
         uses_collective=True,
         shardable=True,
+        memory=_memory_self_syncing("exp_avg", "exp_avg_sq", "anchor"),
     )
 )
 
@@ -530,6 +616,19 @@ def _plan_powersgd(ctx: PlanContext) -> PlanCounts:
     )
 
 
+def _memory_powersgd(ctx: MemoryContext) -> MemoryCounts | None:
+    """AdamW's state and torch's PowerSGD hook's: the error feedback (one fp32 copy of the gradients) and
+    the P and Q of every compressed matrix, which torch keeps per DDP bucket (the same totals however
+    the buckets fall). A DDP hook: nothing to plan sharded."""
+    if ctx.sharded:
+        return None
+    k = ctx.knobs
+    shapes = [shape for group in ctx.shapes for shape in group]
+    _, ps, qs = powersgd_elements(shapes, k.powersgd_rank, k.powersgd_min_compression_rate)
+    errors = sum(map(math.prod, shapes)) if k.powersgd_error_feedback else 0
+    return MemoryCounts(adamw_state(ctx) | fp32(powersgd_error=errors, powersgd_p=ps, powersgd_q=qs))
+
+
 def _note_powersgd(record: dict) -> str:
     return f"PowerSGD: {record['compressed_elements_per_step']:,} elements (fp32) per compressed step"
 
@@ -545,6 +644,7 @@ register(
         _note_powersgd,
         colour="#16a085",
         rule=_powersgd_rule,
+        memory=_memory_powersgd,
     )
 )
 
@@ -643,6 +743,26 @@ def _plan_diloco(ctx: PlanContext) -> PlanCounts:
     )
 
 
+def _memory_diloco(ctx: MemoryContext) -> MemoryCounts | None:
+    """Per group flat fp32 inner m and v, the anchor and the outer momentum; with an outer collective also
+    the pseudo-gradient, all in its layouts, and its buffers (the 1-bit one as the plan prices it, flat
+    here as its communication is). Not planned sharded."""
+    if ctx.sharded:
+        return None
+    k = ctx.knobs
+    buffers = ["exp_avg", "exp_avg_sq", "anchor", "outer_momentum"]
+    if k.outer_collective == "full":
+        padded, comm = sum(map(sum, ctx.sizes)), MemoryCounts({})
+    elif k.outer_collective == "topk":
+        padded = sum(topk_layout(sizes, k.topk_chunk).padded for sizes in ctx.sizes)
+        comm = collective_memory(topk_buffers(ctx.sizes, ctx.world_size, k.topk_density, k.topk_chunk))
+    else:
+        padded, comm = ctx.padded(), ctx.collective(ctx.sizes)
+    if k.outer_collective != "full":
+        buffers.append("pseudo_gradient")
+    return MemoryCounts({**fp32(**dict.fromkeys(buffers, padded)), **comm.state}, comm.scratch)
+
+
 def _note_diloco(record: dict) -> str:
     return f"DiLoCo: {record['outer_steps']:,} outer steps (fragments' included), {record['rounds']:,} rounds, outer sync {record['outer_collective']}"
 
@@ -666,5 +786,6 @@ register(
         _note_diloco,
         colour="#b8860b",
         rule=_diloco_rule,
+        memory=_memory_diloco,
     )
 )
