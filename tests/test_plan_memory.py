@@ -15,6 +15,7 @@ from distributed_harness import run_ranks
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from zoa_train.comm import ClusterCollective
+from zoa_train.comm.sharding import local_shard
 from zoa_train.errors import UserError
 from zoa_train.optim import LRSchedule, registry
 from zoa_train.optim.base import DataParallelOptimizer
@@ -63,6 +64,8 @@ def planned(world_size: int, ranks_per_node: int = 1, **more) -> dict:
 
 
 def nbytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of `t` (its shard of a DTensor)."""
+    t = local_shard(t)
     return t.numel() * t.element_size()
 
 
@@ -242,3 +245,43 @@ def test_format_plan_marks_what_does_not_fit():
     console.print(table)
     text = console.export_text()
     assert "fits in 100.00 kB" in text and "no, " in text and "over" in text
+
+
+def _measure_sharded(rank: int, world_size: int, names: tuple[str, ...]) -> dict:
+    """Each optimizer as the trainer builds it with comm.shard node, on 2 nodes of 2 ranks: this rank's
+    shards of the parameters and gradients, and every tensor its optimizer keeps."""
+    import functools
+
+    from zoa_train.comm import OneBitAllReduce
+    from zoa_train.comm.sharding import node_sharding
+
+    sharding = node_sharding(2)
+    found = {}
+    for name in names:
+        model = tiny_gpt2()
+        trained = registry.create(section(name), model, torch.device("cpu"), world_size, collective=functools.partial(OneBitAllReduce), sharding=sharding)
+        train(trained, model, rank)
+        shards = [local_shard(p) for p in model.parameters()]
+        grads = [local_shard(p.grad) for p in model.parameters() if p.grad is not None]
+        found[name] = {"buffers": held(trained), "params": sum(map(nbytes, shards)), "grads": sum(map(nbytes, grads))}
+    dist.barrier()
+    return found
+
+
+@pytest.mark.slow
+def test_sharded_ranks_hold_what_plan_says():
+    """Memory measured with FSDP2 on 2 x 2 ranks: local rank 0 holds the larger shards (FSDP2 gives each
+    rank ceil(rows / G) rows, the last ones fewer), exactly plan's sharded figures; local rank 1 at most
+    those; and the optimizer's state is half the unsharded state, but for the padding of the layout."""
+    result = planned(4, ranks_per_node=2)
+    ranks = run_ranks(_measure_sharded, 4, ("adam", "onebit_adam", "zero_one_adam"), sharded=True)
+    for name in ("adam", "onebit_adam", "zero_one_adam"):
+        record = result[name]["memory_per_rank_sharded"]
+        want = {"buffers": record["state_buffers"] | record["scratch_buffers"], "params": record["params"], "grads": record["grads"]}
+        for rank in (0, 2):
+            assert ranks[rank][name] == want, (name, rank)
+        for rank in (1, 3):
+            found = ranks[rank][name]
+            assert found["params"] <= want["params"] and sum(found["buffers"].values()) <= sum(want["buffers"].values())
+        unsharded = sum(result[name]["memory_per_rank"]["state_buffers"].values())
+        assert sum(record["state_buffers"].values()) <= unsharded / 2 + 64 * 1024, name
