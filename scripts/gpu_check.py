@@ -31,12 +31,15 @@
 6. rounds overlapped with backward (zoa_train/comm/buckets.py), two Gloo ranks sharing the device:
    ZeroOneAdam in buckets with its rounds started during backward (on CUDA a background thread and a
    stream of its own) equals the same buckets started in step(), bit for bit, after every step;
-7. the integrations (zoa_train.integrations) on the device, one rank under torchrun (NCCL on CUDA): the HF
+7. sharded inside the node (zoa_train/comm/sharding.py): ZeroOneAdam on a model sharded with FSDP2 over
+   2 nodes x 2 ranks equals it unsharded on 2 ranks that see their nodes' micro-batches (CPU: Gloo, bit
+   for bit; CUDA: NCCL, a GPU per rank, 4 GPUs or SKIP);
+8. the integrations (zoa_train.integrations) on the device, one rank under torchrun (NCCL on CUDA): the HF
    Trainer example (ZoaTrainer: no DDP, accelerate's placement and, on CUDA, bf16 autocast), the accelerate
    example and the Lightning example (SelfSyncingStrategy), each through 0/1 Adam's warm-up into its
    local steps: the run completes, its loss falls and stays finite, and the model it trained sits on the
    device; SKIP where transformers, accelerate or lightning is not installed;
-8. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
+9. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
 What one GPU cannot validate: NCCL between ranks and the 1-bit collectives over NCCL (two GPUs), and
 communication speed (Gloo through host memory on one machine says nothing of NCCL over NVLink or a
 network; the two ranks also share the GPU's time). Prints one line per check; exit 1 on a failure.
@@ -641,6 +644,76 @@ def check_overlap(device: torch.device) -> None:
     report(name, same, f"{ZERO_ONE_STEPS} steps" if same else "the overlapped parameters differ")
 
 
+# --- sharded inside the node: FSDP2 in the node, one bit between nodes ------------------------
+
+SHARD_STEPS, SHARD_WIDTH = 16, 128  # a WIDTH x WIDTH weight shards over 2 ranks into whole 4,096-element scale rows
+
+
+def sharded_rank(rank: int, tmp: str, device_name: str, backend: str) -> None:
+    """One rank of 2 nodes x 2: ZeroOneAdam on a model sharded with FSDP2 inside the node, and on local
+    rank 0 of each node the same model unsharded over the 2 nodes, fed both of its node's micro-batches."""
+    from zoa_train.comm.sharding import shard_model
+    from zoa_train.comm.topology import node_groups
+
+    device = torch.device(device_name if backend == "gloo" else f"cuda:{rank}")
+    if device.index is not None:
+        torch.cuda.set_device(device)
+    world = NODES * RANKS_PER_NODE
+    torch.set_num_threads(threads_per_rank(world))
+    init_process_group(backend, timeout_s=120, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+    groups = node_groups([list(range(n * RANKS_PER_NODE, (n + 1) * RANKS_PER_NODE)) for n in range(NODES)], device.type)
+    firsts = dist.new_group([n * RANKS_PER_NODE for n in range(NODES)])
+
+    def model() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*(torch.nn.Linear(SHARD_WIDTH, SHARD_WIDTH, bias=False) for _ in range(3))).to(device)
+
+    def batch(r: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(1000 * t + r)
+        return torch.randn(8, SHARD_WIDTH, generator=g).to(device), torch.randn(8, SHARD_WIDTH, generator=g).to(device)
+
+    knobs = dict(lr=0.01, var_freeze_step=8, var_update_scaler=2, local_steps="fixed", local_step_interval=3, update_clip=None)
+    sharded = shard_model(model(), groups.mesh["local"])
+    opt = ZeroOneAdam(sharded.parameters(), process_group=groups.inter, **knobs)
+    reference = model() if groups.local_rank == 0 else None
+    ref_opt = ZeroOneAdam(reference.parameters(), process_group=firsts, **knobs) if reference is not None else None
+    differences = []
+    for t in range(SHARD_STEPS):
+        x, y = batch(rank, t)
+        torch.nn.functional.mse_loss(sharded(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        full = [p.full_tensor() for p in sharded.parameters()]
+        if ref_opt is not None:
+            for micro in range(groups.node * RANKS_PER_NODE, (groups.node + 1) * RANKS_PER_NODE):
+                x, y = batch(micro, t)
+                (torch.nn.functional.mse_loss(reference(x), y) / RANKS_PER_NODE).backward()
+            ref_opt.step()
+            ref_opt.zero_grad(set_to_none=True)
+            differences.append(max((a - b.detach()).abs().max().item() for a, b in zip(full, reference.parameters())))
+    torch.save({"differences": differences}, f"{tmp}/rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def check_sharded(device: torch.device) -> None:
+    """Sharded 0/1 Adam (comm.shard node) on 2 nodes x 2 ranks against unsharded 0/1 Adam on 2 ranks that
+    see their nodes' micro-batches: on the CPU over Gloo (bit for bit, as tests/test_sharded.py), on CUDA
+    over NCCL with a GPU per rank (4 GPUs; FSDP2 needs a reduce-scatter of CUDA tensors, which Gloo lacks)."""
+    world = NODES * RANKS_PER_NODE
+    name = f"ZeroOneAdam sharded inside the node (FSDP2) on {device.type}, {NODES} nodes x {RANKS_PER_NODE}: equals it unsharded on the nodes' batches"
+    if device.type == "cuda" and torch.cuda.device_count() < world:
+        print(f"SKIP  {name}  needs {world} GPUs (a rank per GPU over NCCL), this machine has {torch.cuda.device_count()}", flush=True)
+        return
+    ranks, error = spawn_ranks(sharded_rank, world, str(device), "nccl" if device.type == "cuda" else "gloo")
+    if not all("differences" in r for r in ranks):
+        report(name, False, error)
+        return
+    worst = max(max(ranks[n * RANKS_PER_NODE]["differences"]) for n in range(NODES))
+    # bit for bit on the CPU; cuBLAS may sum a matmul of another shape in another order
+    report(name, worst == 0.0 if device.type == "cpu" else worst < 1e-5, f"{SHARD_STEPS} steps, largest difference {worst:.3g}")
+
+
 # --- the integrations, one rank under torchrun ------------------------------------------------
 
 INTEGRATIONS = {  # example: (packages it needs, its arguments on CUDA, on the CPU)
@@ -728,6 +801,7 @@ SECTIONS = {  # name: check(device, quick), in the order they run
     "ranks": check_ranks,
     "node_aware": lambda device, quick: check_node_aware(device),
     "overlap": lambda device, quick: check_overlap(device),
+    "sharded": lambda device, quick: check_sharded(device),
     "integrations": lambda device, quick: check_integrations(device),
     "step_cost": lambda device, quick: check_step_cost(device),  # CUDA only: on a CPU it is `bench optim`'s own figure
 }

@@ -618,6 +618,12 @@ def bench_netsim(
     ranks_per_node: Annotated[
         int, typer.Option(help="Ranks in each of --nodes; above 1 the 1-bit optimizers train flat and node-aware. [default: 1]", show_default=False)
     ] = 1,
+    shard: Annotated[
+        bool,
+        typer.Option(
+            "--shard", help="Also train each optimizer that can be sharded with comm.shard node (FSDP2 inside each node; needs --ranks-per-node 2 or more)."
+        ),
+    ] = False,
     bandwidth: Annotated[
         str, typer.Option(help="Rate of each node's link to the others, both directions, e.g. 100mbit, 1Gbit, 12.5MB/s. [default: 100mbit]", show_default=False)
     ] = "100mbit",
@@ -677,6 +683,8 @@ def bench_netsim(
             fail(f"{option} must be at least 1, not {count}.")
     if ranks_per_node > 1 and nodes is None:
         fail("--ranks-per-node needs --nodes: pass --nodes N --ranks-per-node G for N namespaces of G ranks.")
+    if shard and ranks_per_node < 2:
+        fail("--shard shards inside each node, so it needs --nodes N --ranks-per-node G with G of 2 or more.")
     world = nodes * ranks_per_node if nodes else ranks
     if not 0 <= margin < 1:
         fail(f"--margin must be a fraction in [0, 1), not {margin}.")
@@ -713,6 +721,7 @@ def bench_netsim(
             intra_bandwidth=intra_bandwidth,
             num_params=num_params,
             target_loss=target_loss,
+            shard=shard,
         )
     except RankFailed as e:
         zoa_console.error(str(e))

@@ -416,12 +416,14 @@ def run_netsim(
     intra_bandwidth: str = "",
     num_params: int = 0,
     target_loss: float | None = None,
+    shard: bool = False,
 ) -> dict:
     """Train each optimizer over the emulated network (`ranks` in nodes of `ranks_per_node`), then run
     bench comm over it; returns (and writes to OUT/netsim.json) the figures, with `num_params` (the
     model's) also `plan`'s inputs where the run gives them (plan_inputs). Inputs are checked before
     anything is created. `target_loss` stands in for Adam's final val_loss where Adam is not trained here
-    (a link too slow to train it on: the loss a seed reaches does not depend on the link)."""
+    (a link too slow to train it on: the loss a seed reaches does not depend on the link). `shard`: each
+    optimizer that can be is also trained sharded inside the node (comm.shard node), labelled NAME-sharded."""
     from zoa_train.config import check_batch_layout, load_recipe
 
     if target_loss is not None and registry.BASELINE in optimizers:
@@ -439,6 +441,8 @@ def run_netsim(
                 runs[f"{name}-{kind}"] = (name, kind, [*overrides, *nodes, f"comm.topology={kind}", f"optimizer.name={name}"])
         else:
             runs[name] = (name, None, [*overrides, *nodes, f"optimizer.name={name}"])
+        if shard and registry.get(name).shardable:  # sharded inside each node, the shard between nodes
+            runs[f"{name}-sharded"] = (name, "sharded", [*overrides, *nodes, "comm.shard=node", f"optimizer.name={name}"])
     for _, _, sets in runs.values():
         check_batch_layout(load_recipe(recipe, sets), ranks, str(recipe))
     check_prerequisites()

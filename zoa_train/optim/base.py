@@ -254,7 +254,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
     # ---- rounds, and starting them during backward ------------------------------------------------
 
     def _sum_over_shards(self, tensor: torch.Tensor) -> None:
-        """Sum `tensor` (a few per-tensor values, e.g. squared norms of shards) over the node's ranks
+        """Sum `tensor` (squared norms of shards, BatchNorm statistics: a few values) over the node's ranks
         that shard the parameters with this rank. Counted in the totals, not in the step: it stays
         inside the node and makes no local step a round."""
         dist.all_reduce(tensor, group=self.shard_group)
@@ -498,11 +498,15 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _average_tensors(self, in_step: bool) -> None:
-        if not self._averaged or self.world_size == 1:
+        if not self._averaged or (self.world_size == 1 and self.shard_group is None):
             return
         with torch.no_grad():
             flat = torch.cat([t.reshape(-1) for t in self._averaged])
-            self._full_precision(flat, None, in_step)
+            if self.shard_group is not None:  # sharded: the node's ranks ran batches of their own too
+                self._sum_over_shards(flat)
+                flat.div_(dist.get_world_size(self.shard_group))
+            if self.world_size > 1:
+                self._full_precision(flat, None, in_step)
             torch._foreach_copy_(self._averaged, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in self._averaged]), self._averaged)])
 
     def add_param_group(self, param_group: dict) -> None:
