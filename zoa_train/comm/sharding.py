@@ -13,8 +13,6 @@ the whole model, which keeps what is left (embeddings, a tied output layer, fina
 without a ModuleList is one unit. Sharding is along each tensor's first dimension, FSDP2's.
 """
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -71,44 +69,17 @@ def shard_numel(model: torch.nn.Module) -> int:
     return sum(local_shard(p).numel() for p in model.parameters() if p.requires_grad)
 
 
-@dataclass
-class NodeSharding:
-    """comm.shard node on this rank: the (node, local) mesh of the cluster's nodes. FSDP2 shards over
-    `local_mesh` (HSDP over `mesh`), and the optimizers exchange shards over `inter`."""
-
-    groups: NodeGroups
-
-    @property
-    def mesh(self):
-        return self.groups.mesh
-
-    @property
-    def local_mesh(self):
-        return self.groups.mesh["local"]
-
-    @property
-    def inter(self):
-        """The ranks that hold the same shard, one per node."""
-        return self.groups.inter
-
-    @property
-    def nodes(self) -> int:
-        return self.groups.nodes
-
-    @property
-    def ranks_per_node(self) -> int:
-        return self.groups.ranks_per_node
-
-
-def node_sharding(ranks_per_node: int = 0) -> NodeSharding:
-    """The sharding of the running world over its nodes (found by hostname, or `ranks_per_node`
-    consecutive ranks each); a UserError for nodes of unequal sizes. A collective: every rank calls it."""
+def node_sharding(ranks_per_node: int = 0) -> NodeGroups:
+    """The (node, local) groups of the running world's nodes (found by hostname, or `ranks_per_node`
+    consecutive ranks each) that comm.shard node shards over: FSDP2 over `mesh["local"]` (HSDP over
+    `mesh`), the optimizers' exchange over `inter`. A UserError for nodes of unequal sizes; a
+    collective: every rank calls it."""
     nodes = discover_nodes(ranks_per_node)
     if len({len(node) for node in nodes}) != 1:
         raise UserError(
             f"comm.shard node shards over each node's ranks, and these nodes have unequal numbers of them ({describe(nodes)}); use comm.shard none."
         )
-    return NodeSharding(node_groups(nodes, "cuda" if "nccl" in str(dist.get_backend()) else "cpu"))
+    return node_groups(nodes, "cuda" if "nccl" in str(dist.get_backend()) else "cpu")
 
 
 def count_fsdp_traffic(model: torch.nn.Module, ledger: CommLedger, ranks_per_node: int) -> None:

@@ -26,8 +26,9 @@ from zoa_train import checks
 from zoa_train.checks import Check
 from zoa_train.comm import CollectiveFactory, OneBitAllReduce, TopKAllReduce
 from zoa_train.comm.onebit import onebit_layout
-from zoa_train.comm.sharding import NodeSharding, is_sharded, shard_model
+from zoa_train.comm.sharding import is_sharded, shard_model
 from zoa_train.comm.topk import topk_buffers, topk_layout, topk_wire
+from zoa_train.comm.topology import NodeGroups
 from zoa_train.errors import UserError
 from zoa_train.optim.adam import DataParallelAdam
 from zoa_train.optim.diloco import DiLoCo, OuterSchedule
@@ -88,13 +89,13 @@ class BuildContext:
     shared: SharedKnobs
     knobs: Any
     collective: CollectiveFactory = OneBitAllReduce
-    sharding: NodeSharding | None = None  # comm.shard node: shard the model inside each node (specs that are `shardable`)
+    sharding: NodeGroups | None = None  # comm.shard node: shard the model inside each node (specs that are `shardable`)
 
     def parameter_groups(self) -> list[dict]:
         """Weight decay on matrices and kernels only (zoa_train.optim.training.parameter_groups);
         sharded first inside the node when the run is, so that the groups hold this rank's shards."""
         if self.sharding is not None and not is_sharded(self.model):
-            shard_model(self.model, self.sharding.local_mesh)
+            shard_model(self.model, self.sharding.mesh["local"])
         return parameter_groups(self.model, self.shared.weight_decay)
 
     @property
@@ -325,7 +326,7 @@ def create(
     device: torch.device,
     world_size: int,
     collective: CollectiveFactory = OneBitAllReduce,
-    sharding: NodeSharding | None = None,
+    sharding: NodeGroups | None = None,
 ) -> TrainingOptimizer:
     """The TrainingOptimizer a recipe's optimizer section names (timm's create_optimizer, by recipe);
     with `sharding`, the model sharded inside each node (the spec must be `shardable`)."""

@@ -34,7 +34,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from zoa_train.comm import CommLedger, ring_allreduce_bytes
-from zoa_train.comm.sharding import NodeSharding, count_fsdp_traffic, local_shard, shard_model, shard_numel
+from zoa_train.comm.sharding import count_fsdp_traffic, local_shard, shard_model, shard_numel
+from zoa_train.comm.topology import NodeGroups
 from zoa_train.errors import UserError
 from zoa_train.optim.base import DataParallelOptimizer
 from zoa_train.step_kinds import FULL
@@ -275,7 +276,7 @@ class HSDPBacked(_HoldsTorchOptimizer):
     def __init__(
         self,
         model: torch.nn.Module,
-        sharding: NodeSharding,
+        sharding: NodeGroups,
         make_optimizer: Callable[[list[dict]], torch.optim.Optimizer],
         *,
         name: str,

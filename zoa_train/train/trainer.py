@@ -190,7 +190,7 @@ class Trainer:
             self.sharding = node_sharding(c.ranks_per_node)
             sync = functools.partial(OneBitAllReduce, kernels=c.kernels)
             if self.is_main:
-                print(f"sharded inside the node (FSDP2), {self.sharding.groups.describe()}", flush=True)
+                print(f"sharded inside the node (FSDP2), {self.sharding.describe()}", flush=True)
         else:
             self.sharding = None
             sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap)
