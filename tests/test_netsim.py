@@ -235,6 +235,7 @@ def test_root_and_iproute2_are_required(monkeypatch):
         (["--target-loss", "-1"], "--target-loss must be a positive loss, not -1.0"),
         (["--target-loss", "nan"], "--target-loss must be a positive loss"),
         (["--target-loss", "4.4", "--optimizers", "adam,zero_one_adam"], "--target-loss stands in for adam's run"),
+        (["--shard"], "--shard shards inside each node"),
     ],
 )
 def test_bad_input_is_one_sentence_and_exit_2(capsys, tmp_path, args, message):
