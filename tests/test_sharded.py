@@ -171,3 +171,57 @@ def test_adam_sharded_is_hsdp_and_resumes(tmp_path, cache_dir):
 )
 def test_what_sharding_does_not_combine_with_is_refused_in_one_sentence(capsys, setting, fragment):
     refused(zoa_here(capsys, "run", "recipes/gpt2_tiny.yaml", "--set", "comm.shard=node", "--set", setting), fragment)
+
+
+# ---- resharding: the optimizer's state per parameter, into another layout -------------------------
+
+
+def _reshard(rank, world_size, tmp):
+    """0/1 Adam's state (every step a variance step: synchronised) sharded on 2 x 2, saved through
+    torch.distributed.checkpoint and loaded into 0/1 Adam unsharded on the 4 ranks; and an unsharded
+    state loaded into a fresh sharded optimizer from its flat buffers."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    torch.manual_seed(0)
+    sharded = shard_model(Blocks(), mesh["local"])
+    opt = ZeroOneAdam(sharded.parameters(), lr=0.01, var_freeze_step=100, var_update_scaler=1, process_group=mesh.get_group("node"))
+    for t in range(3):
+        x, y = _batch(rank, t)
+        torch.nn.functional.mse_loss(sharded(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    saved = {k: v.full_tensor() for k, v in opt.parameter_state().items()}  # collectives of the node
+    dcp.save({"optimizer": opt.parameter_state()}, checkpoint_id=tmp)
+    torch.manual_seed(0)
+    plain = Blocks()
+    unsharded = ZeroOneAdam(plain.parameters(), lr=0.01, var_freeze_step=100, var_update_scaler=1)
+    unsharded.load_resharded(opt.shared_state_dict(), lambda targets: dcp.load({"optimizer": targets}, checkpoint_id=tmp))
+    into_unsharded = all(torch.equal(saved[k], v) for k, v in unsharded.parameter_state().items())
+    again = ZeroOneAdam(
+        shard_model(Blocks(), mesh["local"]).parameters(), lr=0.01, var_freeze_step=100, var_update_scaler=1, process_group=mesh.get_group("node")
+    )
+    again.load_resharded(unsharded.shared_state_dict())  # flat buffers of whole tensors, cut into this rank's shards
+    into_sharded = all(torch.equal(saved[k], v.full_tensor()) for k, v in again.parameter_state().items())
+    return len(saved), into_unsharded, into_sharded, again.schedule.step == opt.schedule.step
+
+
+@pytest.mark.slow
+def test_a_sharded_state_reshards_into_unsharded_and_back(tmp_path):
+    for count, into_unsharded, into_sharded, same_schedule in run_ranks(_reshard, 4, str(tmp_path / "dcp"), sharded=True):
+        assert count == 9 and into_unsharded and into_sharded and same_schedule  # m, v, anchor of 3 tensors
+
+
+@pytest.mark.slow
+def test_a_sharded_run_resumes_unsharded_with_reshard(tmp_path, cache_dir):
+    first = tmp_path / "first"
+    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), *_short(cache_dir, 4, "train.checkpoint_every=4"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (first / "checkpoints" / "step_00000004" / "optimizer").is_dir()  # the state per parameter, each rank's shards
+    unsharded = ["--set", "comm.shard=none", "--set", "train.nproc=2"]  # the same micro-batches, two a step on each rank
+    second = tmp_path / "second"
+    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(second), "--resume", str(first / "checkpoints" / "step_00000004"), "--reshard",
+                  *_short(cache_dir, 6), *unsharded)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in _metrics(second)] == [5, 6]

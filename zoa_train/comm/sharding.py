@@ -15,7 +15,7 @@ without a ModuleList is one unit. Sharding is along each tensor's first dimensio
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.topology import NodeGroups, describe, discover_nodes, node_groups
@@ -31,6 +31,22 @@ def local_shard(tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():  # an alias outside autograd: the optimizer writes it in place
             return tensor.to_local()
     return tensor
+
+
+def sharded_like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`local` (this rank's elements, shaped as `param`'s shard) as a DTensor sharded as `param` is,
+    sharing its storage; `local` itself where `param` is not sharded."""
+    if isinstance(param, DTensor):
+        return DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride())
+    return local
+
+
+def copy_whole(target: torch.Tensor, whole: torch.Tensor) -> None:
+    """Copy `whole` (a whole tensor, on every rank) into `target`: this rank's shard of it where
+    `target` is a DTensor (cut here, nothing sent), all of it otherwise."""
+    if isinstance(target, DTensor):
+        whole = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+    local_shard(target).copy_(local_shard(whole))
 
 
 def is_sharded(model: torch.nn.Module) -> bool:

@@ -17,7 +17,7 @@ import contextlib
 import hashlib
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from zoa_train.comm import Collective, CollectiveFactory, CommLedger, allreduce, group_size_rank, onebit_layout, ring_allreduce_bytes
 from zoa_train.comm.buckets import BucketedCollective
 from zoa_train.comm.onebit import OneBitLayout, TopologyChanged
-from zoa_train.comm.sharding import local_shard
+from zoa_train.comm.sharding import copy_whole, local_shard, sharded_like
 from zoa_train.errors import UserError
 from zoa_train.optim.deepspeed_names import translate
 from zoa_train.step_kinds import FULL, LOCAL, ONEBIT
@@ -666,12 +666,44 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         self.ledger.load_state_dict(saved["ledger"])
         self.step_count = saved["step_count"]
 
-    def load_resharded(self, shared: dict) -> None:
-        """Continue a shared state saved at another world size (--reshard). m, v and the other flat
-        buffers are identical on every rank at a synchronised step, so they carry over, moved by the
-        collective from the old layout into its own; this rank's own state (the 1-bit error buffers,
-        DiLoCo's inner moments) starts at zero, as built. A state saved inside a local-step period (the ranks' buffers then
-        differ) is refused."""
+    def parameter_state(self) -> dict[str, torch.Tensor]:
+        """The flat buffers every rank holds alike at a sync (m, v, the anchor; not DiLoCo's inner
+        moments) as one tensor per parameter, keyed "buffer/group.index": views of the state (writing
+        them writes it), DTensors sharded as their parameters where those are. The form that does not
+        depend on the layout: torch.distributed.checkpoint saves each rank's shards of it and loads them
+        into another layout, sharded or not (--reshard of a sharded run)."""
+        state = {}
+        for g, (flat, buffers) in enumerate(zip(self._flat, self._buffers)):
+            for name, buffer in buffers.items():
+                if name not in self._local_buffers:
+                    for i, (view, source) in enumerate(zip(flat.views(buffer), flat.sources)):
+                        state[f"{name}/{g}.{i}"] = sharded_like(view, source)
+        return state
+
+    def _flat_loader(self, saved: dict) -> Callable[[dict], None]:
+        """What loads `parameter_state` targets from flat buffers saved in a 1-bit layout of whole
+        tensors (an unsharded run's shared state): each tensor cut out of its saved place, and this
+        rank's shard of it where sharded."""
+        layouts = saved.get("layouts") or [{"world_size": saved["world_size"], "padded": size} for size in saved["sizes"]]
+
+        def load(targets: dict) -> None:
+            for g, (buffers, layout) in enumerate(zip(saved["buffers"], layouts)):
+                sources = self._flat[g].sources
+                offsets = layout.get("offsets") or onebit_layout([p.numel() for p in sources], layout["world_size"]).offsets
+                for name, flat in buffers.items():
+                    for i, (offset, p) in enumerate(zip(offsets, sources)):
+                        copy_whole(targets[f"{name}/{g}.{i}"], flat[offset : offset + p.numel()].view(p.shape))
+
+        return load
+
+    def load_resharded(self, shared: dict, load_parameters: Callable[[dict], None] | None = None) -> None:
+        """Continue a shared state saved at another world size or sharding (--reshard). m, v and the
+        other flat buffers are identical on every rank at a synchronised step, so they carry over:
+        `load_parameters` fills `parameter_state()` (a sharded run's torch.distributed.checkpoint);
+        without it they come from `shared`'s flat buffers, moved by the collective from the old layout
+        into its own (into this rank's shards, when sharded). This rank's own state (the 1-bit error
+        buffers, DiLoCo's inner moments) starts at zero, as built. A state saved inside a local-step
+        period (the ranks' buffers then differ) is refused."""
         saved, name = shared.get("zoa"), type(self).__name__
         if saved is None or saved.get("optimizer") != name:
             raise ValueError(f"this optimizer state is not a {name} state")
@@ -681,15 +713,29 @@ class DataParallelOptimizer(torch.optim.Optimizer):
                 f"between DiLoCo's outer steps); resume it at its {saved['world_size']} ranks, or reshard one taken at a "
                 "synchronised step (the last step of a run always is)."
             )
-        if saved["numels"] != [f.numel for f in self._flat]:
+        whole = [sum(p.numel() for p in f.sources) for f in self._flat]
+        if load_parameters is None and self.shard_group is not None and saved["numels"] == whole:
+            load_parameters = self._flat_loader(saved)  # an unsharded state into shards
+        if load_parameters is not None:  # checked tensor by tensor as they load
+            load_parameters(self.parameter_state())
+            buffers = [{k: v.clone() for k, v in group.items()} for group in self._some_buffers(shared=True)]
+        elif saved["numels"] != [f.numel for f in self._flat]:
             raise ValueError(f"the {name} state is for parameter groups of sizes {saved['numels']}, not {[f.numel for f in self._flat]}")
-        buffers = saved["buffers"]
-        if self.collective is not None:
+        else:
+            buffers = saved["buffers"]
+        if load_parameters is None and self.collective is not None:
             layouts = saved.get("layouts") or [{"world_size": saved["world_size"], "padded": size} for size in saved["sizes"]]
             buffers = [
                 {key: self.collective.relayout(flat, index, layout) for key, flat in group.items()}
                 for index, (group, layout) in enumerate(zip(buffers, layouts))
             ]
         fresh = self.shared_state_dict()["zoa"]
-        resharded = {**saved, "world_size": self.world_size, "sizes": fresh["sizes"], "layouts": fresh["layouts"], "buffers": buffers}
+        resharded = {
+            **saved,
+            "world_size": self.world_size,
+            "numels": fresh["numels"],
+            "sizes": fresh["sizes"],
+            "layouts": fresh["layouts"],
+            "buffers": buffers,
+        }
         self.load_state_dicts({**shared, "zoa": resharded}, self.rank_state_dict())  # this rank's own state as built: zero errors

@@ -94,8 +94,9 @@ class TrainingOptimizer(Protocol):
     def load_state_dicts(self, shared: dict, rank: dict) -> None:
         """Restore both parts saved at the same world size; ValueError for another optimizer's state."""
 
-    def load_resharded(self, shared: dict) -> None:
-        """Continue a shared state saved at another world size (--reshard)."""
+    def load_resharded(self, shared: dict, load_parameters: Callable[[dict], None] | None = None) -> None:
+        """Continue a shared state saved at another world size or sharding (--reshard); `load_parameters`,
+        where the checkpoint has one, fills the optimizer's state per parameter (a sharded run's)."""
 
 
 class DDPCommHook(Protocol):
@@ -254,9 +255,10 @@ class DDPBacked(_HoldsTorchOptimizer):
         self.ledger.load_state_dict(shared["ledger"])
         self.steps = shared["steps"]
 
-    def load_resharded(self, shared: dict) -> None:
+    def load_resharded(self, shared: dict, load_parameters: Callable[[dict], None] | None = None) -> None:
         """A checkpoint of another world size: the optimizer's state is the same on every rank; a comm
-        hook keeps its shared part and starts its per-rank part afresh."""
+        hook keeps its shared part and starts its per-rank part afresh. (`load_parameters` is for
+        sharded states, which DDP's never are.)"""
         self._load_shared(shared)
         if self.comm_hook is not None:
             self.comm_hook.load_resharded(shared["comm_hook"])
@@ -347,8 +349,8 @@ class HSDPBacked(_HoldsTorchOptimizer):
         self.ledger.load_state_dict(shared["ledger"])
         self.steps = shared["steps"]
 
-    def load_resharded(self, shared: dict) -> None:
-        raise UserError(f"{self.name} sharded inside the node resumes at the topology it was saved at; resume without --reshard.")
+    def load_resharded(self, shared: dict, load_parameters: Callable[[dict], None] | None = None) -> None:
+        raise UserError(f"{self.name} sharded inside the node (HSDP) resumes at the layout it was saved at; resume it there, without --reshard.")
 
 
 class SelfSyncing(_HoldsTorchOptimizer):
@@ -428,5 +430,5 @@ class SelfSyncing(_HoldsTorchOptimizer):
     def load_state_dicts(self, shared: dict, rank: dict) -> None:
         self.optimizer.load_state_dicts(shared, rank)
 
-    def load_resharded(self, shared: dict) -> None:
-        self.optimizer.load_resharded(shared)
+    def load_resharded(self, shared: dict, load_parameters: Callable[[dict], None] | None = None) -> None:
+        self.optimizer.load_resharded(shared, load_parameters)

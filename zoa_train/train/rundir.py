@@ -48,6 +48,7 @@ import pickle
 import re
 import shutil
 import socket
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -359,11 +360,23 @@ class RunDirectory:
 
     # ---- checkpoints ---------------------------------------------------------------------------
 
-    def save(self, step: int, rank: int, world_size: int, rank_state: dict, shared_files: dict[str, object], keep: int, synced: bool = True) -> Path:
+    def save(
+        self,
+        step: int,
+        rank: int,
+        world_size: int,
+        rank_state: dict,
+        shared_files: dict[str, object],
+        keep: int,
+        synced: bool = True,
+        write_together: Callable[[Path], None] | None = None,
+    ) -> Path:
         """Collective: every rank writes `rank_state` as rank_XXXXX.pt; rank 0 also writes each of
         `shared_files` (name -> object, e.g. model.pt), then publishes the checkpoint, its files'
-        sizes and SHA-256 in the marker, and drops all but the newest `keep`. A write that fails on
-        any rank raises the same UserError on every rank and leaves the earlier checkpoints as they were."""
+        sizes and SHA-256 in the marker, and drops all but the newest `keep`. `write_together(staged)`,
+        a collective every rank calls, writes more into the staged checkpoint (a sharded state through
+        torch.distributed.checkpoint). A write that fails on any rank raises the same UserError on
+        every rank and leaves the earlier checkpoints as they were."""
         name = checkpoint_name(step)
         staged = self.checkpoints / (name + ".tmp")
         final = self.checkpoints / name
@@ -378,6 +391,8 @@ class RunDirectory:
         if error is None:
             own = f"rank_{rank:05d}.pt"
             try:
+                if write_together is not None:
+                    write_together(staged)
                 recorded = {own: save_file(rank_state, staged / own)}
                 if rank == 0:
                     for shared, obj in shared_files.items():

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import yaml
 
 from zoa_train.comm import ClusterCollective, OneBitAllReduce, TopologyChanged
@@ -143,6 +144,9 @@ def _plain_numpy_state(state: tuple) -> tuple:
     """numpy's RNG state with its key array as a list of ints: a checkpoint holds plain values only."""
     name, keys, *rest = state
     return (name, keys.tolist(), *rest)
+
+
+SHARDED_STATE = "optimizer"  # the directory of a sharded checkpoint's optimizer state per parameter
 
 
 def _layout_words(layout: list[int] | None) -> str:
@@ -456,7 +460,16 @@ class Trainer:
                     "sharded": self._shard_layout(),
                 },
             }
-        self.run_dir.save(self.step, self.rank, self.world, rank_state, shared, self.recipe.train.keep_checkpoints, not self.opt.parameters_differ)
+        # Sharded at a sync: the optimizer's state per parameter, each rank writing its shards, which
+        # --reshard loads into another layout (the rank files' flat buffers fit this layout only).
+        write_together = None
+        if self.sharding and not self.opt.parameters_differ and hasattr(self.opt.optimizer, "parameter_state"):
+
+            def write_together(staged: Path) -> None:
+                dcp.save({"optimizer": self.opt.optimizer.parameter_state()}, checkpoint_id=staged / SHARDED_STATE)
+
+        keep, synced = self.recipe.train.keep_checkpoints, not self.opt.parameters_differ
+        self.run_dir.save(self.step, self.rank, self.world, rank_state, shared, keep, synced, write_together)
 
     def _load(self, path: Path) -> None:
         # Everything is read to the CPU and copied into place: loading onto the GPU would hold
@@ -467,10 +480,12 @@ class Trainer:
         shared = load(path, "trainer.pt")
         saved_layout = shared.get("sharded")
         if saved_layout != self._shard_layout():
-            raise UserError(
-                f"cannot resume from {path}: it was saved {_layout_words(saved_layout)} and this run is {_layout_words(self._shard_layout())}; "
-                "resume with the comm.shard and node layout that wrote it."
-            )
+            if not self.reshard:
+                raise UserError(
+                    f"cannot resume from {path}: it was saved {_layout_words(saved_layout)} and this run is {_layout_words(self._shard_layout())}; "
+                    "resume with the comm.shard and node layout that wrote it, or pass --reshard to continue with the error buffers at zero."
+                )
+            resharded = True
         self._load_model(path, load(path, "model.pt"))
         mine = load(path, f"rank_{min(self.rank, saved_world - 1):05d}.pt")
         if "model" in mine and not resharded:
@@ -484,7 +499,9 @@ class Trainer:
                         raise
                     resharded = True
             if resharded:  # refuses a checkpoint inside a local-step period (rank files then hold their own models)
-                self.opt.load_resharded(load(path, "optimizer.pt"))
+                per_parameter = path / SHARDED_STATE  # a sharded run's optimizer state, saved by torch.distributed.checkpoint
+                loader = (lambda targets: dcp.load({"optimizer": targets}, checkpoint_id=per_parameter)) if per_parameter.is_dir() else None
+                self.opt.load_resharded(load(path, "optimizer.pt"), loader)
         except (ValueError, KeyError) as e:  # another optimizer, model size, 1-bit layout or topology
             raise UserError(f"cannot resume from {path}: {e}.") from None
         if resharded:
