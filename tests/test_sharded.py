@@ -124,7 +124,7 @@ def _metrics(run_dir) -> list[dict]:
 
 
 @pytest.mark.slow
-def test_a_sharded_run_resumes_exactly_inside_a_local_period(tmp_path, cache_dir):
+def test_a_sharded_run_resumes_exactly_inside_a_local_period_and_reshards_at_a_sync(tmp_path, cache_dir):
     knobs = _short(cache_dir, 8, "train.checkpoint_every=4", "optimizer.var_freeze_step=2", "optimizer.local_steps=fixed", "optimizer.local_step_interval=3")
     first = tmp_path / "first"
     done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), *knobs)
@@ -141,9 +141,16 @@ def test_a_sharded_run_resumes_exactly_inside_a_local_period(tmp_path, cache_dir
     a = torch.load(first / "checkpoints" / "step_00000008" / "model.pt")
     b = torch.load(second / "checkpoints" / "step_00000008" / "model.pt")
     assert a["transformer.wte.weight"].shape == (4096, 128) and all(torch.equal(a[k], b[k]) for k in a)
-    # another layout is refused in one sentence, before anything in the run directory changes
-    unsharded = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(second), "--resume", "auto", *knobs, "--set", "comm.shard=none")
-    refused(unsharded, "sharded on 2 nodes x 2 ranks", "unsharded", alone=False)
+    # another layout is refused in one sentence, and continues with --reshard: the last checkpoint (a
+    # sync) unsharded on 2 ranks, the same micro-batches two a step on each rank
+    unsharded = ["--set", "comm.shard=none", "--set", "train.nproc=2", "--set", "train.steps=10"]
+    last = str(first / "checkpoints" / "step_00000008")
+    same_world = ["--set", "comm.shard=none", "--set", "train.steps=10"]  # 4 ranks unsharded: the layout is what differs
+    refused(zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(tmp_path / "third"), "--resume", last, *knobs, *same_world), "sharded on 2 nodes x 2 ranks", "unsharded", alone=False)  # fmt: skip
+    assert (first / "checkpoints" / "step_00000008" / "optimizer").is_dir()  # the state per parameter, each rank's shards
+    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(tmp_path / "third"), "--resume", last, "--reshard", *knobs, *unsharded)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["step"] for r in _metrics(tmp_path / "third")] == [9, 10]
 
 
 @pytest.mark.slow
@@ -211,17 +218,3 @@ def _reshard(rank, world_size, tmp):
 def test_a_sharded_state_reshards_into_unsharded_and_back(tmp_path):
     for count, into_unsharded, into_sharded, same_schedule in run_ranks(_reshard, 4, str(tmp_path / "dcp"), sharded=True):
         assert count == 9 and into_unsharded and into_sharded and same_schedule  # m, v, anchor of 3 tensors
-
-
-@pytest.mark.slow
-def test_a_sharded_run_resumes_unsharded_with_reshard(tmp_path, cache_dir):
-    first = tmp_path / "first"
-    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), *_short(cache_dir, 4, "train.checkpoint_every=4"))
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (first / "checkpoints" / "step_00000004" / "optimizer").is_dir()  # the state per parameter, each rank's shards
-    unsharded = ["--set", "comm.shard=none", "--set", "train.nproc=2"]  # the same micro-batches, two a step on each rank
-    second = tmp_path / "second"
-    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(second), "--resume", str(first / "checkpoints" / "step_00000004"), "--reshard",
-                  *_short(cache_dir, 6), *unsharded)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r["step"] for r in _metrics(second)] == [5, 6]
