@@ -55,8 +55,8 @@ def _child(rank: int, world_size: int, port: int, outdir: str, fn, args, sharded
         dist.destroy_process_group()
         # A group that outlives destroy_process_group keeps Gloo's threads, which can abort the
         # process at exit when they release tensors after the interpreter has started shutting down.
-        # FSDP2 (torch 2.14) keeps one Gloo group of its mesh alive in C++ after destroy_process_group,
-        # whatever is released in Python (zoa_train.comm.sharding.release_caches): allowed for sharded runs.
+        # FSDP2 (torch 2.14) keeps Gloo groups of its mesh alive after destroy_process_group (DTensor's
+        # caches, and one held in C++): allowed for sharded runs.
         assert sharded or not leftover_gloo_threads(), f"Gloo threads still running after destroy_process_group: {gloo_threads()}"
         torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
     except BaseException:

@@ -130,24 +130,3 @@ def load_full_model_state(model: torch.nn.Module, state: dict) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-
-def release_caches() -> None:
-    """Empty DTensor's global caches (sharding propagation, redistribution plans, mesh topology),
-    which keep device meshes and so their process groups alive after the sharded model is gone:
-    without this, Gloo's threads outlive destroy_process_group and may abort the process at exit.
-    Private to torch, so each is cleared where this torch has it."""
-    from torch.distributed.tensor import _collective_utils, _redistribute
-
-    caches = (
-        getattr(getattr(getattr(DTensor, "_op_dispatcher", None), "sharding_propagator", None), "propagate_op_sharding", None),
-        getattr(_redistribute, "_gen_transform_infos", None),
-        getattr(getattr(_collective_utils, "MeshTopoInfo", None), "build_from_mesh", None),
-    )
-    for cache in caches:
-        if hasattr(cache, "cache_clear"):
-            cache.cache_clear()
-    if hasattr(_redistribute, "clear_redistribute_planner_cache"):
-        _redistribute.clear_redistribute_planner_cache()
-    if hasattr(torch._C, "_clear_DTensor_sharding_propagator_cache"):  # the C++ dispatch's own cache
-        torch._C._clear_DTensor_sharding_propagator_cache()
