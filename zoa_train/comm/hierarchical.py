@@ -366,7 +366,7 @@ class ClusterCollective:
             # Overlapped rounds run on a thread of their own, so they get node groups of their own.
             key = (tuple(map(tuple, nodes)), self.overlap)
             if key not in self._groups:
-                self._groups[key] = node_groups(nodes, "cuda" if "nccl" in str(dist.get_backend()) else "cpu")
+                self._groups[key] = node_groups(nodes)
             inner = functools.partial(HierarchicalOneBitAllReduce, nodes=self._groups[key], intra_dtype=self.intra_dtype, kernels=self.kernels)
         if not self.bucket_cap_mb:
             return inner(sizes, group=group, device=device, ledger=ledger)

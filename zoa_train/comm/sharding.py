@@ -14,7 +14,6 @@ without a ModuleList is one unit. Sharding is along each tensor's first dimensio
 """
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from zoa_train.comm.ledger import CommLedger
@@ -95,7 +94,7 @@ def node_sharding(ranks_per_node: int = 0) -> NodeGroups:
         raise UserError(
             f"comm.shard node shards over each node's ranks, and these nodes have unequal numbers of them ({describe(nodes)}); use comm.shard none."
         )
-    return node_groups(nodes, "cuda" if "nccl" in str(dist.get_backend()) else "cpu")
+    return node_groups(nodes)
 
 
 def count_fsdp_traffic(model: torch.nn.Module, ledger: CommLedger, ranks_per_node: int) -> None:

@@ -91,14 +91,16 @@ class NodeGroups:
         return describe([[0] * self.ranks_per_node] * self.nodes)
 
 
-def node_groups(nodes: Sequence[Sequence[int]], device_type: str = "cpu") -> NodeGroups:
+def node_groups(nodes: Sequence[Sequence[int]], device_type: str | None = None) -> NodeGroups:
     """The DeviceMesh of `nodes` (each a list of ranks, all of one length) and this rank's two
-    groups of it. A collective over the world: every rank calls it with the same `nodes`."""
+    groups of it, on `device_type` (default: the backend's, cuda for NCCL: Gloo ranks may share a
+    GPU). A collective over the world: every rank calls it with the same `nodes`."""
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
     if len({len(node) for node in nodes}) != 1:
         raise ValueError(f"a node-aware collective needs the same number of ranks on every node, got {describe(nodes)}")
+    device_type = device_type or ("cuda" if "nccl" in str(dist.get_backend()) else "cpu")
     mesh = DeviceMesh(device_type, torch.tensor([list(node) for node in nodes]), mesh_dim_names=("node", "local"))
     rank = dist.get_rank()
     node = next(i for i, ranks in enumerate(nodes) if rank in ranks)
