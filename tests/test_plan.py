@@ -281,6 +281,56 @@ def test_two_nodes_of_two_ranks_by_hand():
     assert "hierarchical" not in adam and "hierarchical" not in small_plan(world_size=4, ranks_per_node=4)["onebit_adam"]
 
 
+def test_sharded_by_hand():
+    """The same 1,000 parameters sharded (comm.shard node) on 2 nodes x 2 ranks: each rank holds 500
+    and exchanges them among the 2 ranks that hold the same shard, the node's 2 local ranks at once over
+    its link: the node-aware call's part between nodes, byte for byte (a 1-bit call of 500 among 2
+    ranks: 72 bytes a rank, 144 over the link; a ring of 500 fp32: 2,000 a rank, 4,000 over the link).
+    Adam sharded is HSDP: that ring every step. FSDP2 inside the node, per micro-batch: two all-gathers
+    and a reduce-scatter, each sending 500 fp32 from each rank: 6,000 bytes a rank a step."""
+    result = small_plan(world_size=4, ranks_per_node=2, backend="gloo", steps=2)  # 1-bit Adam: an fp32 step, a 1-bit one
+    onebit, node_aware, adam = result["onebit_adam"]["sharded"], result["onebit_adam"]["hierarchical"], result["adam"]["sharded"]
+    assert (onebit["bytes_per_rank"], onebit["inter_bytes_per_node"]) == (node_aware["bytes_per_rank"], node_aware["inter_bytes_per_node"]) == (2072, 4144)
+    assert onebit["comm_time_s"] == pytest.approx(node_aware["comm_time_s"])  # nothing limits inside the node: FSDP2 is free
+    assert onebit["intra_bytes_per_rank"] == adam["intra_bytes_per_rank"] == 2 * 6000
+    assert (adam["bytes_per_rank"], adam["inter_bytes_per_node"], adam["bits_per_param"]) == (2 * 2000, 2 * 4000, 32)
+    assert "sharded" not in result["powersgd"] and "sharded" in result["diloco"]  # PowerSGD is DDP's hook: not shardable
+    assert all("sharded" not in record for record in small_plan(world_size=4, ranks_per_node=1).values())
+
+
+def test_fsdp2_adds_what_compute_does_not_hide():
+    """FSDP2's 12 kB a step inside a node of 2 ranks sharing 1 MB/s: 12 ms of transfer. Prefetching
+    hides it behind the step's compute but for the first unit's all-gather and the last's
+    reduce-scatter (here the one unit is the whole model: 2/3 of it, 8 ms); with 1 ms of compute
+    there is less to hide behind (11 ms exposed). The work on the ranks, 1,500 elements at reduce_rate,
+    is not hidden. Adam's HSDP all-reduce of a single unit is all exposed, as DDP's one bucket is."""
+    args = dict(world_size=4, ranks_per_node=2, steps=2, latency_s=0.0)
+    for step_time, exposed in ((0.1, 0.008), (0.001, 0.011)):
+        free = small_plan(**args, costs=StepCosts(step_time))
+        limited = small_plan(**args, costs=StepCosts(step_time), intra_bandwidth_bytes_per_s=1e6)
+        for name in ("adam", "onebit_adam", "zero_one_adam"):
+            added = limited[name]["sharded"]["total_time_s"] - free[name]["sharded"]["total_time_s"]
+            assert added == pytest.approx(2 * exposed, abs=1e-9), name
+    worked = small_plan(**args, costs=StepCosts(0.1, reduce_rate=1e5))["zero_one_adam"]["sharded"]
+    free = small_plan(**args, costs=StepCosts(0.1))["zero_one_adam"]["sharded"]
+    assert worked["total_time_s"] - free["total_time_s"] == pytest.approx(2 * 1500 / 1e5 + 500 / 1e5)  # and its variance round's 500 sent
+    adam = small_plan(**args, costs=StepCosts(0.1))["adam"]["sharded"]
+    assert adam["step_time_s"] == pytest.approx(0.1 + 2 * 500 * 4 / 2 / 5e5)
+    double = small_plan(**args, costs=StepCosts(0.1, micro_batches=2), intra_bandwidth_bytes_per_s=1e6)["adam"]["sharded"]
+    assert double["intra_bytes_per_rank"] == 2 * 2 * 6000  # FSDP2 gathers and reduces at each micro-batch
+
+
+def test_sharded_speedups_are_against_adam_sharded():
+    result = small_plan(world_size=4, ranks_per_node=2, costs=StepCosts(0.01), intra_bandwidth_bytes_per_s=1e6)
+    adam = result["adam"]["sharded"]["total_time_s"]
+    assert result["adam"]["sharded"]["speedup_vs_adam"] == pytest.approx(1.0)
+    for name in ("onebit_adam", "zero_one_adam"):
+        sharded = result[name]["sharded"]
+        assert sharded["speedup_vs_adam"] == pytest.approx(adam / sharded["total_time_s"])
+        assert sharded["speedup_vs_onebit_adam"] == pytest.approx(result["onebit_adam"]["sharded"]["total_time_s"] / sharded["total_time_s"])
+        assert result[name]["hierarchical"]["speedup_vs_adam"] == pytest.approx(result["adam"]["total_time_s"] / result[name]["hierarchical"]["total_time_s"])
+
+
 def test_a_finite_intra_node_link_costs_the_node_aware_call_its_full_precision():
     args = dict(world_size=4, ranks_per_node=2, steps=2, latency_s=0.0)
     free = small_plan(**args)["onebit_adam"]["hierarchical"]["comm_time_s"]
@@ -357,12 +407,15 @@ def test_the_reduction_rate_prices_the_elements_each_rank_sends_in_full_precisio
 
 def test_format_plan_shows_both_topologies_and_times():
     out = io.StringIO()
-    Console(file=out, width=220).print(format_plan(small_plan(world_size=4, ranks_per_node=2, costs=StepCosts(0.1))))
+    Console(file=out, width=400).print(format_plan(small_plan(world_size=4, ranks_per_node=2, costs=StepCosts(0.1))))
     text = out.getvalue()
     for words in (
         "0/1 Adam (flat)",
         "0/1 Adam (node-aware)",
         "1-bit Adam (node-aware)",
+        "0/1 Adam (sharded)",
+        "Adam (sharded)",
+        "bytes / rank inside the node",
         "bytes over each node's link",
         "predicted step time",
         "speed-up vs 1-bit Adam",

@@ -176,18 +176,20 @@ def test_sharded_memory_by_hand():
     and as many gradients unsharded at once."""
     result = plan(1, LRSchedule("constant", lr=1e-3), 16, 1100, bandwidth_bytes_per_s=1e9, latency_s=0.0, ranks_per_node=8,
                   param_shapes=((100, 10), (100,)), param_names=("blocks.0.weight", "blocks.0.bias"), gpu_memory_bytes=20_000)  # fmt: skip
-    zero_one = result["zero_one_adam"]["memory_per_rank_sharded"]
+    zero_one = result["zero_one_adam"]["sharded"]["memory_per_rank"]
     assert zero_one["params"] == zero_one["grads"] == 4 * 143
     assert zero_one["state_buffers"] == {"exp_avg": 1024, "exp_avg_sq": 1024, "anchor": 1024, "collective._worker": 1024, "collective._server": 4 * 128}
     assert zero_one["scratch_buffers"] == {"collective._send": 48, "collective._recv": 48, "collective._gathered": 48, "collective._mine": 24}
     assert zero_one["fsdp_unit"] == 8 * 1100 and zero_one["fsdp_unit_is"] == "a block (blocks.0)"
     assert zero_one["total"] == 2 * 572 + 4608 + 168 + 8800 == 20_000 - zero_one["headroom"] and zero_one["fits"]
-    adam = result["adam"]["memory_per_rank_sharded"]
+    adam = result["adam"]["sharded"]["memory_per_rank"]
     assert adam["state_buffers"] == {"exp_avg": 572, "exp_avg_sq": 572, "step": 8}  # AdamW on the shards (HSDP)
     assert not result["onebit_adam"]["memory_per_rank"]["fits"]  # unsharded it needs more than 20 kB
-    assert result["powersgd"]["memory_per_rank_sharded"] is None and result["diloco"]["memory_per_rank_sharded"] is None  # not shardable here
+    assert "sharded" not in result["powersgd"]  # DDP's hook: not shardable
+    diloco = result["diloco"]["sharded"]["memory_per_rank"]  # inner m and v, the anchor and the outer momentum of the shard
+    assert diloco["state_buffers"] == {name: 4 * 143 for name in ("exp_avg", "exp_avg_sq", "anchor", "outer_momentum")}
     one_rank_a_node = plan(1, LRSchedule("constant", lr=1e-3), 2, 1100, bandwidth_bytes_per_s=1e9, latency_s=0.0)
-    assert all("memory_per_rank_sharded" not in record for record in one_rank_a_node.values())  # sharding over 1 rank changes nothing
+    assert all("sharded" not in record for record in one_rank_a_node.values())  # sharding over 1 rank changes nothing
 
 
 def test_fsdp_units_are_the_numbered_blocks_and_the_root():
@@ -220,15 +222,15 @@ def test_the_cli_shows_memory_per_rank_and_what_fits(capsys):
     done = zoa_here(capsys, "plan", "recipes/gpt2_tiny.yaml", "--nodes", "2", "--gpus-per-node", "2", "--gpu-memory", "80GB")
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())
-    for words in ("optimizer state / rank", "comm scratch / rank", "memory / rank", "fits in 80.00 GB", "sharded: memory / rank", "activations not modelled"):
+    for words in ("optimizer state / rank", "comm scratch / rank", "memory / rank", "fits in 80.00 GB", "0/1 Adam (sharded)", "activations not modelled"):
         assert words in text, words
-    assert "sharded: memory not planned for PowerSGD, DiLoCo" in text and "largest unit the root" in text
+    assert "FSDP2 unit unsharded" in text and "largest unit the root" in text
     done = zoa_here(capsys, "plan", "recipes/gpt2_tiny.yaml", "--nodes", "2", "--gpus-per-node", "2", "--json")
     result = json.loads(done.stdout)
     for name in ("adam", "zero_one_adam"):
         memory = result[name]["memory_per_rank"]
         assert memory["total"] == sum(memory[key] for key in ("params", "grads", "optimizer_state", "scratch")) and "fits" not in memory
-        assert result[name]["memory_per_rank_sharded"]["total"] < memory["total"]
+        assert result[name]["sharded"]["memory_per_rank"]["total"] < memory["total"]
     assert result["zero_one_adam"]["hierarchical"]["memory_per_rank"]["total"] > result["zero_one_adam"]["memory_per_rank"]["total"]
 
 
@@ -274,9 +276,10 @@ def test_sharded_ranks_hold_what_plan_says():
     rank ceil(rows / G) rows, the last ones fewer), exactly plan's sharded figures; local rank 1 at most
     those; and the optimizer's state is half the unsharded state, but for the padding of the layout."""
     result = planned(4, ranks_per_node=2)
-    ranks = run_ranks(_measure_sharded, 4, ("adam", "onebit_adam", "zero_one_adam"), sharded=True)
-    for name in ("adam", "onebit_adam", "zero_one_adam"):
-        record = result[name]["memory_per_rank_sharded"]
+    shardable = ("adam", "onebit_adam", "zero_one_adam", "diloco")
+    ranks = run_ranks(_measure_sharded, 4, shardable, sharded=True)
+    for name in shardable:
+        record = result[name]["sharded"]["memory_per_rank"]
         want = {"buffers": record["state_buffers"] | record["scratch_buffers"], "params": record["params"], "grads": record["grads"]}
         for rank in (0, 2):
             assert ranks[rank][name] == want, (name, rank)

@@ -314,6 +314,7 @@ def plan_command(
             reduce_rate or math.inf,
             overlap=c.overlap,
             overlap_bucket_bytes=overlap_bucket,
+            micro_batches=max(1, -(-config.train.global_batch_size // (config.train.micro_batch_size * ranks))),
         )
     o = config.optimizer
     gpu_bytes = parse_memory(gpu_memory) if gpu_memory else None

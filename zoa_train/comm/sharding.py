@@ -68,14 +68,17 @@ def units(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def shard_model(model: torch.nn.Module, mesh) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, mesh, reduce_dtype: torch.dtype | None = None) -> torch.nn.Module:
     """Shard `model` in place with FSDP2 over `mesh` (the node's ranks, a 1-D DeviceMesh; or a 2-D
-    (node, local) mesh for HSDP: replicated across nodes, sharded inside each). Returns the model."""
-    from torch.distributed.fsdp import fully_shard
+    (node, local) mesh for HSDP: replicated across nodes, sharded inside each). Gradients are reduced
+    in `reduce_dtype` (None: the parameters' fp32), as the optimizer's `allreduce_dtype` is the dtype of
+    its full-precision rounds; they are stored in fp32 either way. Returns the model."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for block in units(model):
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
 
@@ -97,21 +100,22 @@ def node_sharding(ranks_per_node: int = 0) -> NodeGroups:
     return node_groups(nodes)
 
 
-def count_fsdp_traffic(model: torch.nn.Module, ledger: CommLedger, ranks_per_node: int) -> None:
+def count_fsdp_traffic(model: torch.nn.Module, ledger: CommLedger, ranks_per_node: int, reduce_dtype: torch.dtype | None = None) -> None:
     """Record in `ledger`, at each training forward of `model` (one micro-batch), FSDP2's collectives
     inside the node (link "intra") as it runs them: an all-gather of the parameters for forward,
-    another for backward (the blocks reshard after forward) and a reduce-scatter of the gradients,
-    each sending G-1 shards of this rank's elements in fp32 (a ring's bytes); nominal bits 32 each.
-    Evaluation forwards (no gradient) are not training steps: not counted."""
+    another for backward (the blocks reshard after forward), both fp32, and a reduce-scatter of the
+    gradients in `reduce_dtype` (shard_model's), each sending G-1 shards of this rank's elements (a
+    ring's bytes). Evaluation forwards (no gradient) are not training steps: not counted."""
     if ranks_per_node < 2:
         return
     elements = shard_numel(model)
-    nbytes = (ranks_per_node - 1) * elements * 4
+    reduce_bits = 8 * (reduce_dtype or torch.float32).itemsize
+    sends = (("fsdp_all_gather", 32), ("fsdp_all_gather", 32), ("fsdp_reduce_scatter", reduce_bits))
 
     def record(module, args) -> None:
         if module.training and torch.is_grad_enabled():
-            for kind in ("fsdp_all_gather", "fsdp_all_gather", "fsdp_reduce_scatter"):
-                ledger.record(kind, payload_bits=32, elements=elements, bytes_sent=nbytes, link="intra")
+            for kind, bits in sends:
+                ledger.record(kind, payload_bits=bits, elements=elements, bytes_sent=(ranks_per_node - 1) * elements * bits // 8, link="intra")
 
     model.register_forward_pre_hook(record)
 

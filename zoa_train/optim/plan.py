@@ -44,13 +44,17 @@ when it is ready and the previous one is done, and only what is left when backwa
 step. The 1-bit optimizers communicate inside `step()`, after backward, unless their rounds overlap
 backward (`StepCosts.overlap`, a recipe's comm.overlap): then each round is modelled as DDP's is, in
 buckets of `overlap_bucket_bytes` (comm.bucket_cap_mb), and only its exposed part adds to the step.
+Sharded (comm.shard node), each rank's rounds cover its shard among the N ranks that hold it, the
+node's G ranks at once over its link; FSDP2's all-gathers and reduce-scatter inside the node add what
+prefetching cannot hide (`fsdp_step_cost`), and Adam's HSDP all-reduce starts unit by unit in backward
+as DDP's buckets do.
 
 Memory per rank (`memory_per_rank`, docs/algorithm.md "Memory per rank"): fp32 parameters and
 gradients, and what each optimizer's registry entry says it holds (OptimizerSpec.memory: its state,
 and its collective's scratch, sized by the functions the collectives allocate by: onebit_buffers,
 hierarchical_buffers, topk_buffers), laid out in the trainer's two parameter groups (matrices and
 kernels, then the rest) where the model's shapes are known. The collectives are planned with the fused
-kernels (auto on GPUs and CPUs), which keep no scratch. Sharded (`memory_per_rank_sharded`, comm.shard
+kernels (auto on GPUs and CPUs), which keep no scratch. Sharded (the "sharded" record, comm.shard
 node): FSDP2 over the G ranks of each node, every tensor cut on its first dimension (padded to a
 multiple of G rows), the optimizer on its shard exchanging with the N ranks holding the same shard,
 plus the unsharded fp32 parameters and gradients of FSDP2's largest unit. Activations, the CUDA
@@ -112,6 +116,7 @@ class StepCosts:
     bucket_bytes: int = DDP_BUCKET_BYTES
     overlap: bool = False  # the 1-bit optimizers' rounds start during backward (comm.overlap)
     overlap_bucket_bytes: int = DDP_BUCKET_BYTES  # in buckets of this many bytes of fp32 (comm.bucket_cap_mb)
+    micro_batches: int = 1  # forward/backward passes per step on a rank: sharded, FSDP2 gathers and reduces at each
 
 
 @dataclass(frozen=True)
@@ -187,6 +192,32 @@ def hierarchical_allreduce_cost(numel: int, element_size: int, cluster: Cluster,
     intra_in, intra_out = (g - 1) * shard * element_size, (g - 1) * shard * 4
     seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0) + (g - 1) * shard / reduce_rate
     return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out)
+
+
+def node_share(cost: CallCost, ranks_per_node: int) -> CallCost:
+    """A call among the N ranks of one local rank, which the node's G local ranks make at once over the
+    node's link: G times its bytes cross the link."""
+    return CallCost(cost.bytes_per_rank, ranks_per_node * cost.inter_bytes_per_node, cost.seconds, cost.intra_bytes_per_rank)
+
+
+def fsdp_step_cost(shard: int, unit: int, num_params: int, cluster: Cluster, costs: StepCosts | None) -> tuple[float, float, float]:
+    """(bytes each rank sends inside the node, seconds of it, seconds it adds to a step) for FSDP2 over
+    the node's G ranks in one step (comm.shard node): per micro-batch an fp32 all-gather of the
+    parameters for forward, another for backward and a reduce-scatter of the gradients, each sending G-1
+    shards of a rank's `shard` elements (the ledger's count; the reduce-scatter in the allreduce dtype is
+    counted in fp32 here, an upper bound). FSDP2 gathers the next unit while one computes, so the
+    transfer hides behind the step's compute but for the first unit's all-gather and the last unit's
+    reduce-scatter of each micro-batch (`unit` of `num_params`); the work on the ranks (`reduce_rate`:
+    copies and sums, which compete with compute on a CPU) does not hide."""
+    g = cluster.ranks_per_node
+    micro_batches = costs.micro_batches if costs else 1
+    sent = 3 * (g - 1) * shard * micro_batches  # elements each rank sends
+    transfer = cluster.phase(0, g * sent * 4, 0)
+    work = sent / costs.reduce_rate if costs else 0.0
+    if costs is None:
+        return sent * 4, transfer + work, transfer + work
+    ends = 2 / 3 * transfer * unit / num_params  # a unit's all-gather and its reduce-scatter, each micro-batch
+    return sent * 4, transfer + work, ends + max(0.0, transfer - ends - costs.step_time) + work
 
 
 def ddp_exposed_time(numel: int, element_size: int, cluster: Cluster, costs: StepCosts) -> float:
@@ -288,13 +319,15 @@ def plan(
     `costs`, also step_time_s (the mean), total_time_s, speedup_vs_adam and, for the 1-bit
     optimizers, speedup_vs_onebit_adam. An optimizer that takes the 1-bit collective gets a
     "hierarchical" record of the same keys for the node-aware sync when there are several nodes of
-    several ranks. `knobs` are optimizer knobs by name, as in a recipe's optimizer section; each
-    optimizer takes its own, and the library's defaults stand for the rest.
+    several ranks, and each `shardable` optimizer a "sharded" record (comm.shard node: FSDP2 over each
+    node's ranks, adam as HSDP) when nodes have several ranks, whose bytes and bits are a rank's shard's
+    between nodes, intra_bytes_per_rank FSDP2's, and speed-ups against Adam sharded. `knobs` are
+    optimizer knobs by name, as in a recipe's optimizer section; each optimizer takes its own, and the
+    library's defaults stand for the rest.
 
-    Each record (the node-aware one too) also holds memory_per_rank (`memory_per_rank`: bytes of
-    params, grads, optimizer_state, scratch and their total, by buffer in state_buffers and
-    scratch_buffers; None for an optimizer whose entry declares none) and, with several ranks a node,
-    memory_per_rank_sharded (FSDP2 inside the node; None where not planned sharded). The model's
+    Each record (the node-aware and sharded ones too) also holds memory_per_rank (`memory_per_rank`:
+    bytes of params, grads, optimizer_state, scratch and their total, by buffer in state_buffers and
+    scratch_buffers, and sharded FSDP2's largest unit; None for an optimizer whose entry declares none). The model's
     `param_shapes` and `param_names` (model order) lay the state out as the trainer does and find
     FSDP2's units; with `gpu_memory_bytes` each memory record says whether it fits and the headroom
     left (for activations, which are not modelled)."""
@@ -339,6 +372,37 @@ def plan(
     shards = tuple(tuple(shard_shape(shape, ranks_per_node) for shape in group) for group in groups)
     unit = largest_fsdp_unit(num_params, param_shapes, param_names)
 
+    # Sharded: FSDP2 over each node's G ranks, the optimizer's rounds over a rank's shard among the N ranks
+    # that hold it (the node's G ranks at once, sharing its link).
+    among = Cluster(nodes, 1, cluster.bandwidth / ranks_per_node, latency_s, intra_bandwidth_bytes_per_s, backend)
+    shard = sum(math.prod(shape) for group in shards for shape in group)
+    fsdp_bytes, fsdp_seconds, fsdp_added = fsdp_step_cost(shard, unit[0], num_params, cluster, costs)
+
+    def sharded(spec: OptimizerSpec, counts: PlanCounts, knobs) -> dict:
+        fp = node_share(allreduce_cost(shard, element, among, reduce), ranks_per_node)
+        fp_step = fp.seconds
+        if costs is not None and not spec.uses_collective:  # adam: torch's HSDP, each unit's all-reduce started in backward
+            fp_step = exposed_time(
+                num_params, lambda elements: allreduce_cost(-(-elements // ranks_per_node), element, among, reduce).seconds, costs, 4 * unit[0]
+            )
+        record = _summary(
+            counts,
+            steps=steps,
+            num_params=shard,
+            fp=fp,
+            onebit=node_share(flat_onebit_cost(shard, among, rate), ranks_per_node),
+            part_cost=lambda elements, size: node_share(allreduce_cost(-(-elements // ranks_per_node), size, among, reduce), ranks_per_node),
+            gather_cost=lambda message_bytes: node_share(allgather_cost(message_bytes, among), ranks_per_node),
+            allreduce_bits=allreduce_bits,
+            world_size=nodes,
+            compute_s=costs.step_time + fsdp_added if costs else None,
+            fp_step_s=fp_step,
+        )
+        record["intra_bytes_per_rank"] += steps * fsdp_bytes
+        record["comm_time_s"] += steps * fsdp_seconds
+        record["memory_per_rank"] = memory_per_rank(spec, knobs, shards, nodes, shard_comm, unit, gpu_memory_bytes)
+        return record
+
     def added(cost) -> float | None:
         if costs is None or not costs.overlap:
             return None
@@ -374,8 +438,8 @@ def plan(
             if topology in records:
                 records[topology]["memory_per_rank"] = memory_per_rank(spec, context.knobs, groups, world_size, comm, gpu_memory=gpu_memory_bytes)
         result[name] = records.pop("flat") | records
-        if ranks_per_node > 1:  # with one rank a node sharding changes nothing
-            result[name]["memory_per_rank_sharded"] = memory_per_rank(spec, context.knobs, shards, nodes, shard_comm, unit, gpu_memory_bytes)
+        if ranks_per_node > 1 and spec.shardable:  # with one rank a node sharding changes nothing
+            result[name]["sharded"] = sharded(spec, counts, context.knobs)
     if costs is not None:
         _add_speedups(result)
     return result
@@ -446,21 +510,26 @@ def memory_per_rank(
     return record
 
 
-def _add_speedups(result: dict[str, dict]) -> None:
-    def variants(record):
-        yield record
-        if "hierarchical" in record:
-            yield record["hierarchical"]
+def _variants(record: dict):
+    """(topology, record) of an optimizer's plan: flat, then node-aware and sharded where planned."""
+    yield "flat", record
+    for key in ("hierarchical", "sharded"):
+        if key in record:
+            yield key, record[key]
 
+
+def _add_speedups(result: dict[str, dict]) -> None:
+    """Each variant against Adam's (DDP's for flat and node-aware, HSDP for sharded) and the 1-bit
+    optimizers' against 1-bit Adam's of the same topology."""
     adam, onebit = result.get(registry.BASELINE), result.get(ONEBIT_BASELINE)
     for name, record in result.items():
-        if onebit and registry.get(name).uses_collective:  # flat against flat, node-aware against node-aware
-            for variant, onebit_variant in zip(variants(record), variants(onebit)):
-                if variant["total_time_s"]:
-                    variant["speedup_vs_onebit_adam"] = onebit_variant["total_time_s"] / variant["total_time_s"]
-        for variant in variants(record):
-            if adam and variant["total_time_s"]:
-                variant["speedup_vs_adam"] = adam["total_time_s"] / variant["total_time_s"]
+        for key, variant in _variants(record):
+            if not variant["total_time_s"]:
+                continue
+            if adam:
+                variant["speedup_vs_adam"] = dict(_variants(adam)).get(key, adam)["total_time_s"] / variant["total_time_s"]
+            if onebit and registry.get(name).uses_collective:
+                variant["speedup_vs_onebit_adam"] = dict(_variants(onebit))[key]["total_time_s"] / variant["total_time_s"]
 
 
 def _check(ok: bool, message: str) -> None:
@@ -553,19 +622,21 @@ def _ratio(value: float, base: float) -> str:
 
 
 def format_plan(result: dict[str, dict]) -> Table:
-    """The optimizers side by side (the 1-bit ones flat and node-aware where a plan has both), with
-    ratios against Adam and, given a step time, predicted times and speed-ups, for the CLI to print."""
+    """The optimizers side by side (the 1-bit ones flat and node-aware, and each shardable one sharded,
+    where a plan has them), with ratios against Adam (HSDP for the sharded columns) and, given a step
+    time, predicted times and speed-ups, for the CLI to print."""
     names = [name for name in registry.names() if name in result]
     title = f"Communication plan, {result[names[0]]['steps']:,} steps"
     notes = [spec.plan_note(result[spec.name]) for spec in map(registry.get, names) if spec.plan_note is not None]
-    base = result.get(registry.BASELINE)
-    node_aware = any("hierarchical" in result[name] for name in names)
-    columns = []
+    adam = result.get(registry.BASELINE)
+    several = any("hierarchical" in result[name] or "sharded" in result[name] for name in names)
+    columns, sharded = [], set()
     for name in names:
-        record = result[name]
-        columns.append((name, record, "flat" if "hierarchical" in record else ""))
-        if "hierarchical" in record:  # sharding replaces the node-aware sync: the same sharded figures
-            columns.append((name, record["hierarchical"] | {"memory_per_rank_sharded": record.get("memory_per_rank_sharded")}, "node-aware"))
+        for key, record in _variants(result[name]):
+            columns.append((name, record, {"flat": "flat" if several else "", "hierarchical": "node-aware", "sharded": "sharded"}[key]))
+        if "sharded" in result[name]:
+            sharded.add(id(result[name]["sharded"]))
+    base = lambda r: adam["sharded"] if id(r) in sharded else adam  # noqa: E731
     rows = [
         ("|T_v| (variance updates)", lambda r: f"{r['variance_updates']:,}"),
         ("rounds", lambda r: f"{r['rounds']:,}"),
@@ -573,15 +644,16 @@ def format_plan(result: dict[str, dict]) -> Table:
         ("bits / param / step", lambda r: f"{r['bits_per_param']:.3f}"),
         ("bytes / rank", lambda r: format_bytes(r["bytes_per_rank"])),
     ]
-    if node_aware:
+    if several:
         rows.append(("bytes over each node's link", lambda r: format_bytes(r["inter_bytes_per_node"])))
+        rows.append(("bytes / rank inside the node", lambda r: format_bytes(r["intra_bytes_per_rank"])))
     rows.append(("predicted comm time", lambda r: _seconds(r["comm_time_s"])))
-    if base:
+    if adam:
         rows += [
-            ("rounds vs Adam", lambda r: _ratio(r["rounds"], base["rounds"])),
-            ("bits vs Adam", lambda r: _ratio(r["bits_per_param"], base["bits_per_param"])),
-            ("bytes vs Adam", lambda r: _ratio(r["bytes_per_rank"], base["bytes_per_rank"])),
-            ("comm time vs Adam", lambda r: _ratio(r["comm_time_s"], base["comm_time_s"])),
+            ("rounds vs Adam", lambda r: _ratio(r["rounds"], base(r)["rounds"])),
+            ("bits vs Adam", lambda r: _ratio(r["bits_per_param"], base(r)["bits_per_param"])),
+            ("bytes vs Adam", lambda r: _ratio(r["bytes_per_rank"], base(r)["bytes_per_rank"])),
+            ("comm time vs Adam", lambda r: _ratio(r["comm_time_s"], base(r)["comm_time_s"])),
         ]
     if "step_time_s" in result[names[0]]:
         rows += [
@@ -590,45 +662,45 @@ def format_plan(result: dict[str, dict]) -> Table:
             ("speed-up vs Adam", lambda r: f"{r['speedup_vs_adam']:.2f}x" if r.get("speedup_vs_adam") else "-"),
             ("speed-up vs 1-bit Adam", lambda r: f"{r['speedup_vs_onebit_adam']:.2f}x" if r.get("speedup_vs_onebit_adam") else "-"),
         ]
+    if sharded:
+        notes.append("sharded: FSDP2 over each node's ranks, each rank exchanging its shard between nodes, compared with Adam sharded (HSDP)")
     memory_rows, memory_notes = _memory_rows(columns)
     caption = "; ".join(notes + memory_notes) or None
     return optimizer_table(title, caption, columns, rows + memory_rows)
 
 
 def _memory_rows(columns: list[tuple]) -> tuple[list[tuple[str, Callable[[dict], str]]], list[str]]:
-    """The rows of memory per rank (unsharded; sharded where planned) and the notes they need, for
-    format_plan's columns."""
-    rows, notes = [], []
-    for key, prefix in (("memory_per_rank", ""), ("memory_per_rank_sharded", "sharded: ")):
-        planned = [record[key] for _, record, _ in columns if record.get(key)]
-        if not planned:
-            continue
-        unplanned = dict.fromkeys(registry.get(name).title for name, record, _ in columns if not record.get(key))
-        if unplanned:
-            notes.append(f"{prefix}memory not planned for {', '.join(unplanned)}")
+    """The rows of memory per rank (each column's: sharded in the sharded ones) and the notes they
+    need, for format_plan's columns."""
+    planned = [record["memory_per_rank"] for _, record, _ in columns if record.get("memory_per_rank")]
+    if not planned:
+        return [], []
+    notes = []
+    unplanned = dict.fromkeys(registry.get(name).title for name, record, _ in columns if not record.get("memory_per_rank"))
+    if unplanned:
+        notes.append(f"memory not planned for {', '.join(unplanned)}")
 
-        def cell(figure, key=key):
-            return lambda r: figure(r[key]) if r.get(key) else "-"
+    def cell(figure):
+        return lambda r: figure(r["memory_per_rank"]) if r.get("memory_per_rank") else "-"
 
-        rows += [
-            (f"{prefix}params + grads / rank", cell(lambda m: format_bytes(m["params"] + m["grads"]))),
-            (f"{prefix}optimizer state / rank", cell(lambda m: format_bytes(m["optimizer_state"]))),
-            (f"{prefix}comm scratch / rank", cell(lambda m: format_bytes(m["scratch"]))),
-        ]
-        if key == "memory_per_rank_sharded":
-            rows.append((f"{prefix}FSDP2 unit unsharded", cell(lambda m: format_bytes(m["fsdp_unit"]))))
-            unit = planned[0]
-            notes.append(
-                f"sharded: FSDP2 over each node's ranks, the optimizer exchanging its shard between nodes, "
-                f"largest unit {unit['fsdp_unit_is']}: {unit['fsdp_unit_params'] / 1e6:,.1f}M params, their fp32 params and grads unsharded at once"
-            )
-        rows.append((f"{prefix}memory / rank", cell(lambda m: format_bytes(m["total"]))))
-        if "fits" in planned[0]:
-            size = format_bytes(planned[0]["total"] + planned[0]["headroom"])
-            fits = lambda m: f"yes, {format_bytes(m['headroom'])} left" if m["fits"] else f"no, {format_bytes(-m['headroom'])} over"  # noqa: E731
-            rows.append((f"{prefix}fits in {size}", cell(fits)))
-    if rows:
-        notes.append("memory / rank: fp32 params, grads, optimizer state and comm scratch, activations not modelled")
+    rows = [
+        ("params + grads / rank", cell(lambda m: format_bytes(m["params"] + m["grads"]))),
+        ("optimizer state / rank", cell(lambda m: format_bytes(m["optimizer_state"]))),
+        ("comm scratch / rank", cell(lambda m: format_bytes(m["scratch"]))),
+    ]
+    units = [m for m in planned if "fsdp_unit" in m]
+    if units:
+        rows.append(("FSDP2 unit unsharded", cell(lambda m: format_bytes(m["fsdp_unit"]) if "fsdp_unit" in m else "-")))
+        notes.append(
+            f"FSDP2's largest unit {units[0]['fsdp_unit_is']}: {units[0]['fsdp_unit_params'] / 1e6:,.1f}M params, their fp32 params and grads unsharded at once"
+        )
+    rows.append(("memory / rank", cell(lambda m: format_bytes(m["total"]))))
+    if "fits" in planned[0]:
+        size = format_bytes(planned[0]["total"] + planned[0]["headroom"])
+        rows.append(
+            (f"fits in {size}", cell(lambda m: f"yes, {format_bytes(m['headroom'])} left" if m["fits"] else f"no, {format_bytes(-m['headroom'])} over"))
+        )
+    notes.append("memory / rank: fp32 params, grads, optimizer state and comm scratch, activations not modelled")
     return rows, notes
 
 

@@ -95,7 +95,7 @@ class BuildContext:
         """Weight decay on matrices and kernels only (zoa_train.optim.training.parameter_groups);
         sharded first inside the node when the run is, so that the groups hold this rank's shards."""
         if self.sharding is not None and not is_sharded(self.model):
-            shard_model(self.model, self.sharding.mesh["local"])
+            shard_model(self.model, self.sharding.mesh["local"], DTYPES[self.shared.allreduce_dtype])
         return parameter_groups(self.model, self.shared.weight_decay)
 
     @property
@@ -377,7 +377,7 @@ def _build_adam(ctx: BuildContext) -> TrainingOptimizer:
     if ctx.sharding is not None:
         if not s.bias_correction:
             raise UserError("optimizer adam sharded (comm.shard node) is torch's AdamW, which always corrects bias; set optimizer.bias_correction true.")
-        return HSDPBacked(ctx.model, ctx.sharding, adam_on_ddp(ctx), name="adam", weight_decay=s.weight_decay)
+        return HSDPBacked(ctx.model, ctx.sharding, adam_on_ddp(ctx), name="adam", weight_decay=s.weight_decay, allreduce_dtype=DTYPES[s.allreduce_dtype])
     return DDPBacked(
         ctx.model, ctx.device, ctx.world_size, adam_on_ddp(ctx), name="adam", weight_decay=s.weight_decay, allreduce_dtype=DTYPES[s.allreduce_dtype]
     )
@@ -706,7 +706,7 @@ def _diloco_rule(k: DiLoCoKnobs) -> str | None:
 
 def _build_diloco(ctx: BuildContext) -> TrainingOptimizer:
     outer = OUTER_COLLECTIVES[ctx.knobs.outer_collective].build(ctx)
-    optimizer = DiLoCo(ctx.parameter_groups(), **ctx.knobs.optimizer_knobs(), outer_collective=outer, **ctx.optimizer_kwargs())
+    optimizer = DiLoCo(ctx.parameter_groups(), **ctx.knobs.optimizer_knobs(), process_group=ctx.process_group, outer_collective=outer, **ctx.optimizer_kwargs())
     return SelfSyncing(ctx.model, optimizer, "diloco")
 
 
@@ -747,9 +747,7 @@ def _plan_diloco(ctx: PlanContext) -> PlanCounts:
 def _memory_diloco(ctx: MemoryContext) -> MemoryCounts | None:
     """Per group flat fp32 inner m and v, the anchor and the outer momentum; with an outer collective also
     the pseudo-gradient, all in its layouts, and its buffers (the 1-bit one as the plan prices it, flat
-    here as its communication is). Not planned sharded."""
-    if ctx.sharded:
-        return None
+    here as its communication is); sharded, the same over the shard among the nodes."""
     k = ctx.knobs
     buffers = ["exp_avg", "exp_avg_sq", "anchor", "outer_momentum"]
     if k.outer_collective == "full":
@@ -788,5 +786,6 @@ register(
         colour="#b8860b",
         rule=_diloco_rule,
         memory=_memory_diloco,
+        shardable=True,
     )
 )

@@ -267,8 +267,8 @@ class DDPBacked(_HoldsTorchOptimizer):
 class HSDPBacked(_HoldsTorchOptimizer):
     """A torch optimizer on torch's HSDP: the model sharded by FSDP2 over each node's ranks and
     replicated across nodes (the 2-D mesh of `sharding`), so gradients are reduce-scattered inside the
-    node and their shards all-reduced across nodes in full precision, at the end of the last
-    micro-batch's backward. `adam` with comm.shard node: the baseline of the sharded 1-bit optimizers.
+    node and their shards all-reduced across nodes in full precision (`allreduce_dtype`, FSDP2's reduce
+    dtype, as DDP's comm hook sends Adam's), at the end of the last micro-batch's backward. `adam` with comm.shard node: the baseline of the sharded 1-bit optimizers.
     The ledger counts this rank's shard: the all-reduce between nodes, and FSDP2's collectives
     inside the node (link "intra")."""
 
@@ -283,13 +283,15 @@ class HSDPBacked(_HoldsTorchOptimizer):
         *,
         name: str,
         weight_decay: float = 0.0,
+        allreduce_dtype: torch.dtype | None = None,
     ):
-        self.module = shard_model(model, sharding.mesh)
+        self.module = shard_model(model, sharding.mesh, allreduce_dtype)
         self.optimizer = make_optimizer(parameter_groups(model, weight_decay))
         self.shard = shard_numel(model)
         self.ledger = CommLedger(num_params=self.shard)
-        count_fsdp_traffic(model, self.ledger, sharding.ranks_per_node)
+        count_fsdp_traffic(model, self.ledger, sharding.ranks_per_node, allreduce_dtype)
         self.nodes, self.name, self.steps = sharding.nodes, name, 0
+        self.wire_bytes = (allreduce_dtype or torch.float32).itemsize
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -306,7 +308,9 @@ class HSDPBacked(_HoldsTorchOptimizer):
 
     def step(self) -> str:
         self.optimizer.step()
-        self.ledger.record("hsdp_allreduce", payload_bits=32, elements=self.shard, bytes_sent=ring_allreduce_bytes(self.shard, 4, self.nodes))
+        self.ledger.record(
+            "hsdp_allreduce", payload_bits=8 * self.wire_bytes, elements=self.shard, bytes_sent=ring_allreduce_bytes(self.shard, self.wire_bytes, self.nodes)
+        )
         self.ledger.end_step()
         self.steps += 1
         return FULL
@@ -369,7 +373,7 @@ class SelfSyncing(_HoldsTorchOptimizer):
                 "support (their state and error buffers are dense); build it with sparse=False or use optimizer.name adam."
             )
         if optimizer.shard_group is not None:  # sharded inside the node: FSDP2's collectives there are counted too
-            count_fsdp_traffic(model, optimizer.ledger, dist.get_world_size(optimizer.shard_group))
+            count_fsdp_traffic(model, optimizer.ledger, dist.get_world_size(optimizer.shard_group), optimizer.allreduce_dtype)
         self._named = list(model.named_parameters())
         self._trainable = [p.requires_grad for _, p in self._named]  # the set the optimizer's state was laid out for
         optimizer.average_at_sync(batchnorm_statistics(model))
