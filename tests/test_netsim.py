@@ -147,6 +147,10 @@ def test_plan_inputs_give_back_the_step_kinds_they_were_measured_from():
     result["runs"][1]["step_s_by_kind"]["s"] = compute  # no time left for encoding: no rate
     assert netsim.plan_inputs(result, numel, 2)["compress_rate"] is None
     assert netsim.plan_inputs({**result, "runs": result["runs"][:3]}, numel, 2) is None  # no 0/1 Adam
+    assert "fsdp_rate" not in inputs  # nothing trained sharded
+    # Sharded 0/1 Adam's local step, 40 ms above the flat one: FSDP2's 3 x 500,000 elements a rank sends.
+    sharded = {"optimizer": "zero_one_adam", "topology": "sharded", "step_s_by_kind": {"l": compute + 0.04}}
+    assert netsim.plan_inputs({**result, "runs": [*result["runs"], sharded]}, numel, 2)["fsdp_rate"] == pytest.approx(1_500_000 / 0.04)
 
 
 def test_step_time_time_to_target_and_speedups():

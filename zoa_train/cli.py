@@ -278,6 +278,13 @@ def plan_command(
             show_default=False,
         ),
     ] = 0.0,
+    fsdp_rate: Annotated[
+        float,
+        typer.Option(
+            help="Elements per second one rank moves through FSDP2's all-gathers and reduce-scatter, besides the transfer (the sharded columns; CPUs with Gloo, from bench netsim --shard). [default: not limiting]",
+            show_default=False,
+        ),
+    ] = 0.0,
     params: Annotated[int, typer.Option(help="Parameter count. [default: counted from the recipe's model]", show_default=False)] = 0,
     gpu_memory: Annotated[
         str, typer.Option(help="Memory of one GPU, e.g. 80GB or 80GiB: marks what fits, with the room left for activations.", show_default=False)
@@ -296,8 +303,8 @@ def plan_command(
     for option, count in (("--nodes", nodes), ("--world-size", world_size), ("--gpus-per-node", gpus_per_node)):
         if count is not None and count < 1:
             fail(f"{option} must be at least 1, not {count}.")
-    if not (0 <= backward_fraction <= 1 and compress_rate >= 0 and reduce_rate >= 0 and params >= 0):
-        fail("--backward-fraction must be in [0, 1], and --compress-rate, --reduce-rate and --params not negative.")
+    if not (0 <= backward_fraction <= 1 and compress_rate >= 0 and reduce_rate >= 0 and fsdp_rate >= 0 and params >= 0):
+        fail("--backward-fraction must be in [0, 1], and --compress-rate, --reduce-rate, --fsdp-rate and --params not negative.")
     if nodes is not None and world_size is not None:
         fail("give --nodes or --world-size, not both.")
     if world_size is not None and world_size % gpus_per_node:
@@ -315,6 +322,7 @@ def plan_command(
             overlap=c.overlap,
             overlap_bucket_bytes=overlap_bucket,
             micro_batches=max(1, -(-config.train.global_batch_size // (config.train.micro_batch_size * ranks))),
+            fsdp_rate=fsdp_rate or math.inf,
         )
     o = config.optimizer
     gpu_bytes = parse_memory(gpu_memory) if gpu_memory else None

@@ -236,7 +236,8 @@ def add_speedups(rows: list[dict]) -> None:
 
 
 def plan_inputs(result: dict, num_params: int, element_size: int) -> dict | None:
-    """`plan`'s --step-time, --compress-rate and --reduce-rate as this run measured them (docs/algorithm.md,
+    """`plan`'s --step-time, --compress-rate and --reduce-rate (and --fsdp-rate, when sharded 0/1 Adam
+    trained: what its local step adds to the flat one) as this run measured them (docs/algorithm.md,
     "Calibrating on a machine"): 0/1 Adam's local step is the compute; 1-bit Adam's 1-bit and
     full-precision steps, less it and their transfer as plan models it over these links, are the work on
     the ranks. None unless the run trained both optimizers flat; a rate is None where that work came out
@@ -253,11 +254,17 @@ def plan_inputs(result: dict, num_params: int, element_size: int) -> dict | None
     full = allreduce_cost(num_params, element_size, cluster)
     reducing = onebit[FULL] - compute - full.seconds
     sent = full.bytes_per_rank / element_size  # the elements each rank sends in the ring: what --reduce-rate counts
-    return {
+    inputs = {
         "step_time_s": compute,
         "compress_rate": num_params / encoding if encoding > 0 else None,
         "reduce_rate": sent / reducing if reducing > 0 else None,
     }
+    sharded = kinds.get(("zero_one_adam", "sharded"), {}).get(LOCAL)
+    if sharded is not None:  # FSDP2's gathers and reduce-scatter are all a sharded local step adds (--fsdp-rate)
+        g = result["ranks_per_node"]
+        moved = 3 * (g - 1) * -(-num_params // g)  # elements a rank sends in them per micro-batch, as plan counts
+        inputs["fsdp_rate"] = moved / (sharded - compute) if sharded > compute else None
+    return inputs
 
 
 # ---- the machine: network, rank processes -----------------------------------------------------------
@@ -575,5 +582,6 @@ def format_netsim(result: dict):
         parts.append(
             f"plan's inputs from this run (meaningful over a fast link): --step-time {inputs['step_time_s'] * 1e3:.1f}ms "
             f"--compress-rate {rate(inputs['compress_rate'])} --reduce-rate {rate(inputs['reduce_rate'])}"
+            + (f" --fsdp-rate {rate(inputs['fsdp_rate'])}" if "fsdp_rate" in inputs else "")
         )
     return Group(*parts)

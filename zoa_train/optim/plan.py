@@ -117,6 +117,7 @@ class StepCosts:
     overlap: bool = False  # the 1-bit optimizers' rounds start during backward (comm.overlap)
     overlap_bucket_bytes: int = DDP_BUCKET_BYTES  # in buckets of this many bytes of fp32 (comm.bucket_cap_mb)
     micro_batches: int = 1  # forward/backward passes per step on a rank: sharded, FSDP2 gathers and reduces at each
+    fsdp_rate: float = math.inf  # elements per second a rank moves through FSDP2's gathers and reduce-scatter, besides the transfer
 
 
 @dataclass(frozen=True)
@@ -207,13 +208,13 @@ def fsdp_step_cost(shard: int, unit: int, num_params: int, cluster: Cluster, cos
     shards of a rank's `shard` elements (the ledger's count; the reduce-scatter in the allreduce dtype is
     counted in fp32 here, an upper bound). FSDP2 gathers the next unit while one computes, so the
     transfer hides behind the step's compute but for the first unit's all-gather and the last unit's
-    reduce-scatter of each micro-batch (`unit` of `num_params`); the work on the ranks (`reduce_rate`:
-    copies and sums, which compete with compute on a CPU) does not hide."""
+    reduce-scatter of each micro-batch (`unit` of `num_params`); the work on the ranks (`fsdp_rate`:
+    copies, casts and sums, which compete with compute on a CPU) does not hide."""
     g = cluster.ranks_per_node
     micro_batches = costs.micro_batches if costs else 1
     sent = 3 * (g - 1) * shard * micro_batches  # elements each rank sends
     transfer = cluster.phase(0, g * sent * 4, 0)
-    work = sent / costs.reduce_rate if costs else 0.0
+    work = sent / costs.fsdp_rate if costs else 0.0
     if costs is None:
         return sent * 4, transfer + work, transfer + work
     ends = 2 / 3 * transfer * unit / num_params  # a unit's all-gather and its reduce-scatter, each micro-batch
@@ -346,6 +347,7 @@ def plan(
         _check(0 <= costs.backward_fraction <= 1, f"the backward fraction must be between 0 and 1, got {costs.backward_fraction}.")
         _check(costs.compress_rate > 0, f"the compression rate must be a positive number of elements/s, got {costs.compress_rate}.")
         _check(costs.reduce_rate > 0, f"the reduction rate must be a positive number of elements/s, got {costs.reduce_rate}.")
+        _check(costs.fsdp_rate > 0, f"the FSDP rate must be a positive number of elements/s, got {costs.fsdp_rate}.")
     unknown = set(knobs) - {f.name for f in registry.knob_fields()}
     _check(not unknown, f"no optimizer has the knob {', '.join(sorted(unknown))}.")
     registry.check_section(knobs, "plan")  # each knob; each optimizer's rule is its plan's to apply
