@@ -320,6 +320,8 @@ def test_fsdp2_adds_what_compute_does_not_hide():
     assert adam["step_time_s"] == pytest.approx(0.1 + 2 * 500 * 4 / 2 / 5e5)
     double = small_plan(**args, costs=StepCosts(0.1, micro_batches=2), intra_bandwidth_bytes_per_s=1e6)["adam"]["sharded"]
     assert double["intra_bytes_per_rank"] == 2 * 2 * 6000  # FSDP2 gathers and reduces at each micro-batch
+    bf16 = small_plan(**args, allreduce_bits=16)["zero_one_adam"]["sharded"]
+    assert bf16["intra_bytes_per_rank"] == 2 * (500 * 4 + 500 * 4 + 500 * 2)  # the reduce-scatter in the allreduce dtype, as the ledger counts it
 
 
 def test_sharded_speedups_are_against_adam_sharded():

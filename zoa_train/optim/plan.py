@@ -201,24 +201,25 @@ def node_share(cost: CallCost, ranks_per_node: int) -> CallCost:
     return CallCost(cost.bytes_per_rank, ranks_per_node * cost.inter_bytes_per_node, cost.seconds, cost.intra_bytes_per_rank)
 
 
-def fsdp_step_cost(shard: int, unit: int, num_params: int, cluster: Cluster, costs: StepCosts | None) -> tuple[float, float, float]:
+def fsdp_step_cost(shard: int, unit: int, num_params: int, cluster: Cluster, costs: StepCosts | None, reduce_size: int = 4) -> tuple[float, float, float]:
     """(bytes each rank sends inside the node, seconds of it, seconds it adds to a step) for FSDP2 over
     the node's G ranks in one step (comm.shard node): per micro-batch an fp32 all-gather of the
-    parameters for forward, another for backward and a reduce-scatter of the gradients, each sending G-1
-    shards of a rank's `shard` elements (the ledger's count; the reduce-scatter in the allreduce dtype is
-    counted in fp32 here, an upper bound). FSDP2 gathers the next unit while one computes, so the
+    parameters for forward, another for backward and a reduce-scatter of the gradients in
+    `reduce_size`-byte elements (the allreduce dtype), each sending G-1 shards of a rank's `shard`
+    elements (the ledger's count). FSDP2 gathers the next unit while one computes, so the
     transfer hides behind the step's compute but for the first unit's all-gather and the last unit's
     reduce-scatter of each micro-batch (`unit` of `num_params`); the work on the ranks (`fsdp_rate`:
     copies, casts and sums, which compete with compute on a CPU) does not hide."""
     g = cluster.ranks_per_node
     micro_batches = costs.micro_batches if costs else 1
     sent = 3 * (g - 1) * shard * micro_batches  # elements each rank sends
-    transfer = cluster.phase(0, g * sent * 4, 0)
+    nbytes = sent // 3 * (4 + 4 + reduce_size)
+    transfer = cluster.phase(0, g * nbytes, 0)
     work = sent / costs.fsdp_rate if costs else 0.0
     if costs is None:
-        return sent * 4, transfer + work, transfer + work
-    ends = 2 / 3 * transfer * unit / num_params  # a unit's all-gather and its reduce-scatter, each micro-batch
-    return sent * 4, transfer + work, ends + max(0.0, transfer - ends - costs.step_time) + work
+        return nbytes, transfer + work, transfer + work
+    ends = (4 + reduce_size) / (8 + reduce_size) * transfer * unit / num_params  # a unit's all-gather and its reduce-scatter, each micro-batch
+    return nbytes, transfer + work, ends + max(0.0, transfer - ends - costs.step_time) + work
 
 
 def ddp_exposed_time(numel: int, element_size: int, cluster: Cluster, costs: StepCosts) -> float:
@@ -378,7 +379,7 @@ def plan(
     # that hold it (the node's G ranks at once, sharing its link).
     among = Cluster(nodes, 1, cluster.bandwidth / ranks_per_node, latency_s, intra_bandwidth_bytes_per_s, backend)
     shard = sum(math.prod(shape) for group in shards for shape in group)
-    fsdp_bytes, fsdp_seconds, fsdp_added = fsdp_step_cost(shard, unit[0], num_params, cluster, costs)
+    fsdp_bytes, fsdp_seconds, fsdp_added = fsdp_step_cost(shard, unit[0], num_params, cluster, costs, element)
 
     def sharded(spec: OptimizerSpec, counts: PlanCounts, knobs) -> dict:
         fp = node_share(allreduce_cost(shard, element, among, reduce), ranks_per_node)
