@@ -98,7 +98,8 @@ def test_sharded_on_2_x_2_is_unsharded_on_2_ranks_that_see_their_nodes_batches(n
         assert {VARIANCE, ONEBIT, LOCAL} <= set(kinds), kinds  # variance steps, 1-bit syncs and local steps all ran
     # the nodes hold the same shards after every sync
     for a, b in ((0, 2), (1, 3)):
-        assert len(ranks[a][3]) >= 6 and [t for t, _ in ranks[a][3]] == [t for t, _ in ranks[b][3]]
+        syncs = 6 if name == "diloco" else 12  # DiLoCo syncs at its outer steps only: every 4th of 24
+        assert len(ranks[a][3]) >= syncs and [t for t, _ in ranks[a][3]] == [t for t, _ in ranks[b][3]]
         assert all(torch.equal(p, q) for (_, mine), (_, theirs) in zip(ranks[a][3], ranks[b][3]) for p, q in zip(mine, theirs))
 
 
