@@ -73,9 +73,15 @@ def test_the_log_window_times_its_steps_without_the_pauses():
     assert record["loss"] == 2.5 and record["lr"] == 1e-3 and record["step_kinds"] == "ffo" and record["variance_updates"] == 7
     assert record["bits_per_param"] == 1 and record["rounds"] == 1 and record["bytes_sent"] == 2
     assert 0 < record["train_s"] < 0.1 and record["tokens_per_s"] == pytest.approx(300 / record["train_s"])
+    assert "comm_s" not in record  # no bucketed rounds timed
     time.sleep(0.01)
+    ledger.record_time(round_seconds=0.5, exposed_seconds=0.2)
     again = window.record(2.0, 1e-3, ledger, 7)
     assert again["step_kinds"] == "" and again["tokens_per_s"] == 0 and 0 < again["train_s"] < 5  # a new window
+    assert (again["comm_s"], again["comm_exposed_s"]) == (0.5, 0.2)
+    ledger.record_time(round_seconds=0.25, exposed_seconds=0.25)
+    third = window.record(2.0, 1e-3, ledger, 7)
+    assert (third["comm_s"], third["comm_exposed_s"]) == (0.25, 0.25)  # the window's own, not the totals
 
 
 def _drive(rank, world_size):

@@ -122,6 +122,12 @@ def test_step_seconds_by_kind_are_recovered_from_the_windows():
     assert fitted.keys() == seconds.keys() and all(abs(fitted[k] - seconds[k]) < 1e-12 for k in seconds)
     assert abs(mean_step_seconds(records) - sum(r["train_s"] for r in records[1:] if "train_s" in r) / 24) < 1e-12
     assert step_seconds_by_kind([]) == {} and mean_step_seconds([]) is None
+    waited = {"v": 0.05, "s": 0.02, "l": 0.0}  # another key: the seconds step() waited, fitted alike
+    for r in records:
+        if "step_kinds" in r:
+            r["comm_exposed_s"] = sum(waited[k] for k in r["step_kinds"])
+    fitted = step_seconds_by_kind(records, "comm_exposed_s")
+    assert all(abs(fitted[k] - waited[k]) < 1e-12 for k in waited) and step_seconds_by_kind(records[:3], "comm_s") == {}
 
 
 def test_plan_inputs_give_back_the_step_kinds_they_were_measured_from():

@@ -5,6 +5,7 @@ parameters and an exact resume; ranks identical after every sync."""
 
 import contextlib
 import functools
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from distributed_harness import run_ranks
 
 from zoa_train.comm import ClusterCollective, OneBitAllReduce, TopologyChanged
 from zoa_train.comm.buckets import BucketedCollective, plan_buckets
+from zoa_train.comm.ledger import CommLedger
 from zoa_train.optim import OneBitAdam, ZeroOneAdam
 
 CAP_MB = 4096 * 4 / 2**20  # buckets of at most 4,096 elements: several per group in the model below
@@ -170,3 +172,26 @@ def _another_bucketing(rank, world_size):
 def test_another_bucketing_is_refused_as_a_change_of_layout_and_reshards():
     for refusals in run_ranks(_another_bucketing, 2):
         assert ["comm.bucket_cap_mb" in refusals[0], refusals[1], "comm.bucket_cap_mb" in refusals[2], refusals[3]] == [True] * 4, refusals
+
+
+def _timed_rounds(rank, world_size):
+    """The ledger's round and exposed seconds of one exchange of 2M elements in 1 MB buckets: in the
+    caller, and started before the caller spends a second elsewhere (as backward does)."""
+    seconds = []
+    for overlap in (False, True):
+        ledger = CommLedger(num_params=2**21)
+        collective = BucketedCollective([2**21], inner=OneBitAllReduce, bucket_cap_mb=1.0, overlap=overlap, ledger=ledger)
+        out = torch.zeros(collective.layouts[0].padded)
+        for bucket in collective.buckets:
+            collective.accumulators[0][bucket.start : bucket.stop].normal_()
+            collective.start_exchange(bucket.index, out)
+        time.sleep(1.0)  # the caller's backward: Gloo and the comm thread go on meanwhile
+        collective.wait()
+        seconds.append((ledger.round_seconds, ledger.exposed_seconds))
+    return seconds
+
+
+def test_the_ledger_times_rounds_and_what_step_waited_of_them():
+    for (in_step, in_step_waited), (overlapped, overlapped_waited) in run_ranks(_timed_rounds, 2):
+        assert in_step > 0 and in_step_waited == in_step  # in the caller all of it is exposed
+        assert overlapped > 0 and overlapped_waited < 0.1  # finished while the caller slept

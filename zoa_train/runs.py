@@ -122,19 +122,20 @@ def mean_step_seconds(records: list[dict]) -> float | None:
     return sum(r["train_s"] for r in windows) / steps if steps else None
 
 
-def step_seconds_by_kind(records: list[dict]) -> dict[str, float]:
+def step_seconds_by_kind(records: list[dict], key: str = "train_s") -> dict[str, float]:
     """Seconds of one step of each kind (zoa_train.step_kinds), fitted by least squares to the windows:
-    a window's seconds are the sum over its steps of their kind's seconds. Kinds that never occur are
+    a window's seconds (`key`: train_s, or comm_s and comm_exposed_s, the time of its bucketed rounds
+    and what step() waited of it) are the sum over its steps of their kind's seconds. Kinds that never occur are
     absent; with fewer windows than kinds the fit is underdetermined and torch's minimum-norm answer
     is returned, so read it as a diagnostic."""
     import torch
 
-    windows = _timed_windows(records)
+    windows = [r for r in _timed_windows(records) if key in r]
     kinds = sorted({kind for r in windows for kind in r["step_kinds"]})
     if not kinds:
         return {}
     counts = [Counter(r["step_kinds"]) for r in windows]
     a = torch.tensor([[c[k] for k in kinds] for c in counts], dtype=torch.float64)
-    b = torch.tensor([[r["train_s"]] for r in windows], dtype=torch.float64)
+    b = torch.tensor([[r[key]] for r in windows], dtype=torch.float64)
     solution = torch.linalg.lstsq(a, b, driver="gelsd").solution.flatten().tolist()
     return dict(zip(kinds, solution))

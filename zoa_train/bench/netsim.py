@@ -215,6 +215,9 @@ def summarize(run: RunLog, target: float | None) -> dict:
         "median_step_s": median_step_time(records),
         "mean_step_s": mean_step_seconds(run.records),  # training alone, what plan --step-time predicts
         "step_s_by_kind": step_seconds_by_kind(run.records),
+        # bucketed rounds (comm.bucket_cap_mb): their seconds per step, and what step() waited of them
+        "comm_s_by_kind": step_seconds_by_kind(run.records, "comm_s"),
+        "comm_exposed_s_by_kind": step_seconds_by_kind(run.records, "comm_exposed_s"),
         rate: statistics.median(r[rate] for r in records if rate in r),  # validation-only records have none
         "bits_per_param": last["bits_per_param"],
         "rounds": last["rounds"],
@@ -517,6 +520,12 @@ def _times(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _round_times(row: dict) -> str:
+    """A 1-bit step's bucketed rounds (fitted): the seconds step() waited for them / the seconds they took."""
+    took, waited = row.get("comm_s_by_kind", {}).get(ONEBIT), row.get("comm_exposed_s_by_kind", {}).get(ONEBIT)
+    return "-" if took is None or waited is None else f"{waited * 1e3:.0f} / {took * 1e3:.0f} ms"
+
+
 def format_netsim(result: dict):
     """The optimizers side by side, then the bench comm rows, for the CLI to print."""
     from rich.console import Group
@@ -550,6 +559,7 @@ def format_netsim(result: dict):
             ("bytes sent / rank", lambda r: format_bytes(r["bytes_sent_per_rank"])),
             ("bytes on the wire / rank", lambda r: format_bytes(r["wire_bytes_per_rank"])),
             ("bytes between nodes / node", lambda r: format_bytes(r["wire_bytes_per_node"])),
+            ("1-bit round: waited in step() / took", _round_times),
             ("final val_loss", lambda r: "-" if r["final_val_loss"] is None else f"{r['final_val_loss']:.4f}"),
             ("wall time", lambda r: f"{r['wall_time_s']:.1f} s"),
             ("time to target", reached),

@@ -20,6 +20,7 @@ bucket, so the two paths agree to the bit.
 
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -98,9 +99,12 @@ def plan_buckets(sizes: Sequence[Sequence[int]], world_size: int, cap_elements: 
 class CommThread:
     """Runs jobs in the order they are submitted on one daemon thread (on a GPU under a stream of
     its own that first waits for the submitter's stream), so that collectives started during
-    backward proceed while the caller computes. A job's exception is raised by `wait`."""
+    backward proceed while the caller computes. A job's exception is raised by `wait`. The seconds
+    the jobs took and those `wait` blocked go to `ledger.record_time` (host seconds: on a GPU, the
+    time to queue the work)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, ledger: CommLedger | None = None):
+        self.ledger = ledger
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._thread: threading.Thread | None = None
@@ -130,6 +134,7 @@ class CommThread:
             if job is None:
                 return
             try:
+                started = time.perf_counter()
                 with torch.no_grad():
                     if self._stream is None:
                         job()
@@ -137,6 +142,8 @@ class CommThread:
                         with torch.cuda.stream(self._stream):
                             self._stream.wait_event(ready)
                             job()
+                if self.ledger is not None:
+                    self.ledger.record_time(round_seconds=time.perf_counter() - started)
                 future.set_result(None)
             except BaseException as error:  # raised in the caller, by wait()
                 future.set_exception(error)
@@ -144,7 +151,10 @@ class CommThread:
 
     def wait(self) -> None:
         pending, self._pending = self._pending, []
+        started = time.perf_counter()
         errors = [f.exception() for f in pending]  # waits for every job, even after a failure
+        if pending and self.ledger is not None:
+            self.ledger.record_time(exposed_seconds=time.perf_counter() - started)
         if self._stream is not None:
             torch.cuda.current_stream().wait_stream(self._stream)
         first = next((e for e in errors if e is not None), None)
@@ -213,7 +223,7 @@ class BucketedCollective:
             )
             if bucket.comm.layouts[0].padded != bucket.layout.padded:
                 raise ValueError("a bucket's collective laid it out differently from BucketedCollective")
-        self._thread = CommThread(self.device) if overlap and self.world_size > 1 else None
+        self._thread = CommThread(self.device, ledger) if overlap and self.world_size > 1 else None
         if self._thread is not None:
             weakref.finalize(self, self._thread.close)
 
@@ -234,8 +244,12 @@ class BucketedCollective:
         self._run(lambda: bucket.comm.allreduce(part, comm_dtype=comm_dtype, elements=bucket.numel, in_step=True))
 
     def _run(self, job: Callable[[], None]) -> None:
-        if self._thread is None:
+        if self._thread is None:  # in the caller: all of it is exposed
+            started = time.perf_counter()
             job()
+            if self.ledger is not None:
+                seconds = time.perf_counter() - started
+                self.ledger.record_time(round_seconds=seconds, exposed_seconds=seconds)
         else:
             self._thread.submit(job)
 

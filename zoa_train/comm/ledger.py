@@ -11,6 +11,11 @@ all-gather) is recorded as `link="intra"` and kept apart; everything else counts
 slow link between nodes (a flat collective over the world does, on any cluster of more than one
 node). So `bits_per_param` and `bytes_sent` are what this rank puts on the slow link, and
 `intra_bits_per_param` and `intra_bytes_sent` what it sends inside its node.
+
+Time of bucketed rounds (zoa_train/comm/buckets.py): `round_seconds` is what their rounds took where
+they ran, `exposed_seconds` what the optimizer's step() spent waiting for them. In step() the two are
+equal; overlapped with backward, the difference is what backward hid. Timings, not counts: they are
+not saved in checkpoints.
 """
 
 import threading
@@ -45,6 +50,8 @@ class CommLedger:
     by_kind: dict = field(default_factory=dict)
     intra_bytes_sent: int = 0  # inside the node (link="intra")
     intra_payload_bits: int = 0
+    round_seconds: float = field(default=0.0, compare=False)
+    exposed_seconds: float = field(default=0.0, compare=False)
     _step_bits: int = 0
     _step_bytes: int = 0
     _step_calls: int = 0
@@ -86,6 +93,12 @@ class CommLedger:
         entry["calls"] += calls
         entry["bytes_sent"] += bytes_sent
         entry["elements"] += elements
+
+    def record_time(self, round_seconds: float = 0.0, exposed_seconds: float = 0.0) -> None:
+        """Add the seconds bucketed rounds took, and the seconds step() waited for them (module docstring)."""
+        with self._lock:
+            self.round_seconds += round_seconds
+            self.exposed_seconds += exposed_seconds
 
     def end_step(self) -> StepComm:
         """Close the current step and return what it sent."""

@@ -89,6 +89,7 @@ class LogWindow:
 
     def __init__(self, every: int, units_per_step: int, unit: str):
         self.every, self.units_per_step, self.throughput_key = every, units_per_step, f"{unit}_per_s"
+        self._timed = (0.0, 0.0)  # the ledger's round and exposed seconds at the last record
         self._restart()
 
     def _restart(self) -> None:
@@ -121,6 +122,10 @@ class LogWindow:
             "step_kinds": self.kinds,
             "train_s": elapsed,  # the window's steps alone: step times by kind (zoa_train.runs)
         }
+        if ledger.round_seconds:  # bucketed rounds (comm.bucket_cap_mb): their seconds, and what step() waited of them
+            record["comm_s"] = ledger.round_seconds - self._timed[0]
+            record["comm_exposed_s"] = ledger.exposed_seconds - self._timed[1]
+            self._timed = (ledger.round_seconds, ledger.exposed_seconds)
         self._restart()
         return record
 
