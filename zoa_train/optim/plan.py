@@ -42,8 +42,10 @@ sync itself) overlaps its bucketed allreduce with backward: buckets of `bucket_b
 the first 1 MiB) become ready as backward (`backward_fraction` of the step) proceeds, each starts
 when it is ready and the previous one is done, and only what is left when backward ends adds to the
 step. The 1-bit optimizers communicate inside `step()`, after backward, unless their rounds overlap
-backward (`StepCosts.overlap`, a recipe's comm.overlap): then each round is modelled as DDP's is, in
-buckets of `overlap_bucket_bytes` (comm.bucket_cap_mb), and only its exposed part adds to the step.
+backward (`StepCosts.overlap`, a recipe's comm.overlap): then each round's transfers are modelled as
+DDP's are, in buckets of `overlap_bucket_bytes` (comm.bucket_cap_mb), and only their exposed part adds
+to the step; the round's work on the ranks (`CallCost.work_seconds`) adds in full, as it competes with
+backward for the ranks (calibrated on CPUs, docs/results.md).
 Sharded (comm.shard node), each rank's rounds cover its shard among the N ranks that hold it, the
 node's G ranks at once over its link; FSDP2's all-gathers and reduce-scatter inside the node add what
 prefetching cannot hide (`fsdp_step_cost`), and Adam's HSDP all-reduce starts unit by unit in backward
@@ -128,6 +130,7 @@ class CallCost:
     inter_bytes_per_node: float
     seconds: float
     intra_bytes_per_rank: float = 0  # as the ledger's intra_bytes_sent: the node-aware call's full precision inside the node
+    work_seconds: float = 0.0  # of `seconds`, the work on the ranks (encoding, sums): it competes with backward for the ranks
 
 
 def onebit_call_bytes(num_params: int, world_size: int) -> int:
@@ -142,7 +145,7 @@ def allreduce_cost(numel: int, element_size: int, cluster: Cluster, reduce_rate:
     volume = ring_allreduce_bytes(numel, element_size, n)  # what each link of the ring carries
     inter = volume if cluster.nodes > 1 else 0
     sent = volume / element_size  # elements each rank sends and sums: the work on the rank
-    return CallCost(volume, inter, cluster.phase(inter, (g - 1) * volume, 2 * (n - 1)) + sent / reduce_rate)
+    return CallCost(volume, inter, cluster.phase(inter, (g - 1) * volume, 2 * (n - 1)) + sent / reduce_rate, work_seconds=sent / reduce_rate)
 
 
 def allgather_cost(segment: int, cluster: Cluster) -> CallCost:
@@ -166,7 +169,7 @@ def flat_onebit_cost(numel: int, cluster: Cluster, compress_rate: float = math.i
     to_all_inter = g * g * (nodes - 1) * segment
     to_all = cluster.phase(to_all_inter, g * (g - 1) * segment, n - 1)
     gather = allgather_cost(segment, cluster)  # of the server segments
-    return CallCost(2 * (n - 1) * segment, to_all_inter + gather.inter_bytes_per_node, to_all + gather.seconds + numel / compress_rate)
+    return CallCost(2 * (n - 1) * segment, to_all_inter + gather.inter_bytes_per_node, to_all + gather.seconds + numel / compress_rate, work_seconds=numel / compress_rate)
 
 
 def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf, reduce_rate: float = math.inf) -> CallCost:
@@ -177,8 +180,8 @@ def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Clust
     intra_in = (g - 1) * shard * intra_element_size  # each rank's all-to-all sends (G-1)/G of the buffer
     intra_out = (g - 1) * shard * 4  # fp32 all-gather
     seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0)
-    seconds += shard / compress_rate + 2 * (g - 1) * shard / reduce_rate  # encoding the shard; the elements sent in full precision
-    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out)
+    work = shard / compress_rate + 2 * (g - 1) * shard / reduce_rate  # encoding the shard; the elements sent in full precision
+    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds + work, intra_in + intra_out, work)
 
 
 def hierarchical_allreduce_cost(numel: int, element_size: int, cluster: Cluster, reduce_rate: float = math.inf) -> CallCost:
@@ -191,14 +194,15 @@ def hierarchical_allreduce_cost(numel: int, element_size: int, cluster: Cluster,
         shard, element_size, Cluster(nodes, 1, cluster.bandwidth / g, cluster.latency, cluster.intra_bandwidth, cluster.backend), reduce_rate
     )
     intra_in, intra_out = (g - 1) * shard * element_size, (g - 1) * shard * 4
+    work = inner.work_seconds + (g - 1) * shard / reduce_rate
     seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0) + (g - 1) * shard / reduce_rate
-    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out)
+    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out, work)
 
 
 def node_share(cost: CallCost, ranks_per_node: int) -> CallCost:
     """A call among the N ranks of one local rank, which the node's G local ranks make at once over the
     node's link: G times its bytes cross the link."""
-    return CallCost(cost.bytes_per_rank, ranks_per_node * cost.inter_bytes_per_node, cost.seconds, cost.intra_bytes_per_rank)
+    return CallCost(cost.bytes_per_rank, ranks_per_node * cost.inter_bytes_per_node, cost.seconds, cost.intra_bytes_per_rank, cost.work_seconds)
 
 
 def fsdp_step_cost(shard: int, unit: int, num_params: int, cluster: Cluster, costs: StepCosts | None, reduce_size: int = 4) -> tuple[float, float, float]:
@@ -407,9 +411,12 @@ def plan(
         return record
 
     def added(cost) -> float | None:
+        """What an overlapped round adds to a step: its transfers as backward leaves them exposed, and all
+        of its work on the ranks, which competes with backward for them (measured on CPUs, results.md)."""
         if costs is None or not costs.overlap:
             return None
-        return exposed_time(num_params, lambda elements: cost(elements).seconds, costs, costs.overlap_bucket_bytes)
+        transfer = exposed_time(num_params, lambda elements: cost(elements).seconds - cost(elements).work_seconds, costs, costs.overlap_bucket_bytes)
+        return transfer + cost(num_params).work_seconds
 
     result = {}
     for name in registry.names():
