@@ -28,6 +28,7 @@ FIELDS = {
     "optimizer", "run_dir", "steps", "median_step_s", "tokens_per_s", "bits_per_param", "rounds", "bytes_sent_per_rank",
     "wire_bytes_per_rank", "final_loss", "final_val_loss", "wall_time_s", "time_to_target_s", "step_to_target",
     "speedup_wall", "speedup_time_to_target", "label", "topology", "wire_bytes_per_node", "mean_step_s", "step_s_by_kind",
+    "comm_s_by_kind", "comm_exposed_s_by_kind",
 }  # fmt: skip
 
 

@@ -144,8 +144,8 @@ def allreduce_cost(numel: int, element_size: int, cluster: Cluster, reduce_rate:
         return CallCost(0, 0, 0.0)
     volume = ring_allreduce_bytes(numel, element_size, n)  # what each link of the ring carries
     inter = volume if cluster.nodes > 1 else 0
-    sent = volume / element_size  # elements each rank sends and sums: the work on the rank
-    return CallCost(volume, inter, cluster.phase(inter, (g - 1) * volume, 2 * (n - 1)) + sent / reduce_rate, work_seconds=sent / reduce_rate)
+    work = volume / element_size / reduce_rate  # the elements each rank sends and sums
+    return CallCost(volume, inter, cluster.phase(inter, (g - 1) * volume, 2 * (n - 1)) + work, work_seconds=work)
 
 
 def allgather_cost(segment: int, cluster: Cluster) -> CallCost:
@@ -169,7 +169,8 @@ def flat_onebit_cost(numel: int, cluster: Cluster, compress_rate: float = math.i
     to_all_inter = g * g * (nodes - 1) * segment
     to_all = cluster.phase(to_all_inter, g * (g - 1) * segment, n - 1)
     gather = allgather_cost(segment, cluster)  # of the server segments
-    return CallCost(2 * (n - 1) * segment, to_all_inter + gather.inter_bytes_per_node, to_all + gather.seconds + numel / compress_rate, work_seconds=numel / compress_rate)
+    work = numel / compress_rate  # encoding and decoding the buffer
+    return CallCost(2 * (n - 1) * segment, to_all_inter + gather.inter_bytes_per_node, to_all + gather.seconds + work, work_seconds=work)
 
 
 def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf, reduce_rate: float = math.inf) -> CallCost:
