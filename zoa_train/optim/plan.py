@@ -132,6 +132,11 @@ class CallCost:
     intra_bytes_per_rank: float = 0  # as the ledger's intra_bytes_sent: the node-aware call's full precision inside the node
     work_seconds: float = 0.0  # of `seconds`, the work on the ranks (encoding, sums): it competes with backward for the ranks
 
+    @property
+    def transfer_seconds(self) -> float:
+        """The rest of `seconds`: what an overlapped round can hide behind backward."""
+        return self.seconds - self.work_seconds
+
 
 def onebit_call_bytes(num_params: int, world_size: int) -> int:
     """Bytes one rank sends in one flat OneBitAllReduce call: 2(n-1) segments (signs and row scales)."""
@@ -195,9 +200,9 @@ def hierarchical_allreduce_cost(numel: int, element_size: int, cluster: Cluster,
         shard, element_size, Cluster(nodes, 1, cluster.bandwidth / g, cluster.latency, cluster.intra_bandwidth, cluster.backend), reduce_rate
     )
     intra_in, intra_out = (g - 1) * shard * element_size, (g - 1) * shard * 4
-    work = inner.work_seconds + (g - 1) * shard / reduce_rate
-    seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0) + (g - 1) * shard / reduce_rate
-    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out, work)
+    reducing = (g - 1) * shard / reduce_rate  # the elements summed inside the node
+    seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0) + reducing
+    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out, inner.work_seconds + reducing)
 
 
 def node_share(cost: CallCost, ranks_per_node: int) -> CallCost:
@@ -416,7 +421,7 @@ def plan(
         of its work on the ranks, which competes with backward for them (measured on CPUs, results.md)."""
         if costs is None or not costs.overlap:
             return None
-        transfer = exposed_time(num_params, lambda elements: cost(elements).seconds - cost(elements).work_seconds, costs, costs.overlap_bucket_bytes)
+        transfer = exposed_time(num_params, lambda elements: cost(elements).transfer_seconds, costs, costs.overlap_bucket_bytes)
         return transfer + cost(num_params).work_seconds
 
     result = {}
