@@ -696,6 +696,18 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
         return load
 
+    # How a reshard's message names each flat buffer.
+    _buffer_words = {"exp_avg": "momentum", "exp_avg_sq": "variance", "anchor": "anchor", "outer_momentum": "outer momentum"}
+
+    def resharded_state(self) -> str:
+        """What a reshard (load_resharded) keeps and what starts at zero, in words."""
+        names = list(self._buffers[0]) if self._buffers else []
+        kept = [self._buffer_words.get(n, n) for n in names if n not in self._local_buffers]
+        fresh = [self._buffer_words.get(n, n) for n in names if n in self._local_buffers]
+        fresh += ["the 1-bit error buffers"] if self.collective is not None else []
+        said = f"parameters, {', '.join(kept)} carry over" if kept else "parameters carry over"
+        return said + (f"; {' and '.join(fresh)} start at zero" if fresh else "")
+
     def load_resharded(self, shared: dict, load_parameters: Callable[[dict], None] | None = None) -> None:
         """Continue a shared state saved at another world size or sharding (--reshard). m, v and the
         other flat buffers are identical on every rank at a synchronised step, so they carry over:

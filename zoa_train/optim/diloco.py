@@ -83,6 +83,7 @@ class DiLoCo(DataParallelOptimizer):
     """
 
     _local_buffers = frozenset({"exp_avg", "exp_avg_sq"})  # the inner moments: never averaged
+    _buffer_words = {**DataParallelOptimizer._buffer_words, "exp_avg": "inner momentum", "exp_avg_sq": "inner variance"}
 
     def __init__(
         self,

@@ -41,8 +41,9 @@ class LRSchedule:
             return self.min_lr + 0.5 * (self.lr - self.min_lr) * (1 + math.cos(math.pi * progress))
         return self.lr
 
-    def scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-        """A torch scheduler that sets every group's lr to this schedule (times the group's own base lr ratio)."""
+    def scheduler(self, optimizer: torch.optim.Optimizer, start: int = 0) -> torch.optim.lr_scheduler.LambdaLR:
+        """A torch scheduler that sets every group's lr to this schedule (times the group's own base lr
+        ratio), from step `start` on (a resumed run's: its groups' initial_lr are this schedule's base)."""
         for group in optimizer.param_groups:
             group.setdefault("initial_lr", group["lr"])
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self(step) / self.lr)
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: self(step) / self.lr, last_epoch=start - 1)

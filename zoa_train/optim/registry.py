@@ -72,6 +72,15 @@ SHARED_CHECKS: dict[str, Check] = {
     "weight_decay": checks.non_negative,
 }
 
+# What a resume may change (zoa_train/train/resume_rules.py): None, the knob applies from the next step; a
+# string, why it cannot change during a run; a function of the change (a ResumeChange), either.
+ResumeRule = None | str | Callable[[Any], str | None]
+
+SHARED_RESUME: dict[str, ResumeRule] = {
+    **dict.fromkeys(("lr", "betas", "eps", "weight_decay", "allreduce_dtype")),
+    "bias_correction": "it decides what the saved moments and frozen variance hold (and, for adam, which torch optimizer keeps them)",
+}
+
 
 @dataclass
 class NoKnobs:
@@ -229,6 +238,8 @@ class OptimizerSpec:
     # What its optimizer holds on one rank besides parameters and gradients (`plan`'s memory); None, or
     # None returned (e.g. sharded, for an optimizer that cannot be): not planned.
     memory: Callable[[MemoryContext], MemoryCounts | None] | None = None
+    # Its knobs' rules on resume (SHARED_RESUME's form); a knob it leaves out is refused on resume.
+    resume: Mapping[str, ResumeRule] = field(default_factory=dict)
 
     def check_rule(self, knobs: Any) -> str | None:
         """What its `rule` says of `knobs` (an instance of its knobs dataclass), None when it is kept."""
@@ -335,6 +346,36 @@ def create(
     if sharding is not None and not spec.shardable:
         raise UserError(f"optimizer {spec.name} does not train sharded; comm.shard node takes {', '.join(shardable_names())}.")
     return spec.build(BuildContext(model, device, world_size, section, spec.knobs_from(section), collective, sharding))
+
+
+def resume_rule(knob: str, optimizer: str) -> ResumeRule:
+    """Whether optimizer knob `knob` may change when a run of `optimizer` resumes (SHARED_RESUME's form):
+    a shared knob's rule, the optimizer's own rule for its knob, None for another optimizer's knob (this
+    run does not use it)."""
+    if knob in SHARED_RESUME:
+        return SHARED_RESUME[knob]
+    spec = find(optimizer)
+    if spec is None or knob not in {f.name for f in dataclasses.fields(spec.knobs)}:
+        return None
+    return spec.resume.get(knob, f"optimizer {optimizer} does not say whether optimizer.{knob} can change during a run")
+
+
+def uses_knob(optimizer: str, knob: str) -> bool:
+    """Whether a run of `optimizer` reads optimizer knob `knob` (a shared one, or one of its own)."""
+    spec = find(optimizer)
+    return knob in SHARED_RESUME or knob == "name" or (spec is not None and knob in {f.name for f in dataclasses.fields(spec.knobs)})
+
+
+def _no_unfreezing(change) -> str | None:
+    """The rule of a knob that ends the variance's updates (freeze_step, var_freeze_step): once the
+    checkpoint is past it the optimizer holds the variance's denominator instead, so the knob may not move
+    past the checkpoint's step; before that it may change either way."""
+    if change.step >= change.was and change.now > change.step:
+        return (
+            f"the variance froze at step {change.was:,} and the optimizer has held its denominator since, not the "
+            f"variance that more updates would need; set it to at most {change.step:,} (no further effect) or keep it"
+        )
+    return None
 
 
 def shardable_names() -> tuple[str, ...]:
@@ -445,6 +486,7 @@ register(
         uses_collective=True,
         shardable=True,
         memory=_memory_self_syncing("exp_avg", "exp_avg_sq"),
+        resume={"freeze_step": _no_unfreezing},
     )
 )
 
@@ -544,6 +586,12 @@ register(
         uses_collective=True,
         shardable=True,
         memory=_memory_self_syncing("exp_avg", "exp_avg_sq", "anchor"),
+        # the schedule continues from its progress under the new knobs (ZeroOneSchedule.load_state_dict)
+        resume={
+            "var_freeze_step": _no_unfreezing,
+            **dict.fromkeys(("var_update_scaler", "local_steps", "local_step_clip", "local_step_scaler", "local_step_interval")),
+            **dict.fromkeys(("update_clip", "var_update_weighting")),
+        },
     )
 )
 
@@ -646,6 +694,13 @@ register(
         colour="#16a085",
         rule=_powersgd_rule,
         memory=_memory_powersgd,
+        resume={
+            "freeze_step": None,  # the hook's start step: compression starts (or pauses) there
+            **dict.fromkeys(
+                ("powersgd_rank", "powersgd_min_compression_rate", "powersgd_error_feedback", "powersgd_warm_start"),
+                "the saved error feedback and warm-start factors are laid out for it",
+            ),
+        },
     )
 )
 
@@ -729,9 +784,11 @@ def _plan_diloco(ctx: PlanContext) -> PlanCounts:
     periods = ctx.steps // k.sync_every  # outer steps of each fragment
     warning = None
     if ctx.steps and periods < MIN_OUTER_STEPS:
+        fits = ctx.steps // MIN_OUTER_STEPS  # the largest sync_every that gives enough outer steps; 0: none does
+        advice = f"set sync_every to {fits:,} or less" if fits else f"train at least {MIN_OUTER_STEPS} steps (one outer step each at sync_every 1)"
         warning = (
             f"optimizer.sync_every ({k.sync_every:,}) leaves this run of {ctx.steps:,} steps {periods} outer step(s), too few to train "
-            f"(2 ended 8% above Adam on gpt2_tiny; bert_tiny reached Adam's loss with 9, docs/results.md): set sync_every to {max(1, ctx.steps // MIN_OUTER_STEPS):,} or less."
+            f"(2 ended 8% above Adam on gpt2_tiny; bert_tiny reached Adam's loss with 9, docs/results.md): {advice}."
         )
     sends = OUTER_COLLECTIVES[k.outer_collective].plan(ctx, outer)
     return PlanCounts(
@@ -787,5 +844,11 @@ register(
         rule=_diloco_rule,
         memory=_memory_diloco,
         shardable=True,
+        resume={
+            **dict.fromkeys(("sync_every", "outer_lr", "outer_momentum", "outer_nesterov", "topk_density", "topk_error_decay")),
+            "fragments": "the outer steps' state is kept per fragment as saved",
+            "outer_collective": "the saved error feedback is that collective's",
+            "topk_chunk": "the saved error feedback is laid out in chunks of that size",
+        },
     )
 )

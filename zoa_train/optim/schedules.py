@@ -96,8 +96,13 @@ class ZeroOneSchedule:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        for key, value in state.items():
-            setattr(self, key, value)
+        """The progress only: the knobs stay the constructor's, so a run resumed with other knobs (its
+        recipe's) continues from the saved step under them."""
+        for key in PROGRESS:
+            setattr(self, key, state[key])
+
+
+PROGRESS = ("step", "next_variance_step", "variance_gaps_taken", "variance_updates", "steps_since_sync", "max_lr")
 
 
 def variance_update_bound(beta1: float, beta2: float) -> float:

@@ -98,6 +98,9 @@ class TrainingOptimizer(Protocol):
         """Continue a shared state saved at another world size or sharding (--reshard); `load_parameters`,
         where the checkpoint has one, fills the optimizer's state per parameter (a sharded run's)."""
 
+    def resharded_state(self) -> str:
+        """What load_resharded keeps and what starts afresh, in words (the reshard's warning)."""
+
 
 class DDPCommHook(Protocol):
     """A DDP communication hook that counts what it sends and keeps state (PowerSGD's): DDPBacked
@@ -263,6 +266,9 @@ class DDPBacked(_HoldsTorchOptimizer):
         if self.comm_hook is not None:
             self.comm_hook.load_resharded(shared["comm_hook"])
 
+    def resharded_state(self) -> str:
+        return "parameters and the optimizer's state carry over" + ("; the comm hook's error feedback starts afresh" if self.comm_hook is not None else "")
+
 
 class HSDPBacked(_HoldsTorchOptimizer):
     """A torch optimizer on torch's HSDP: the model sharded by FSDP2 over each node's ranks and
@@ -356,6 +362,9 @@ class HSDPBacked(_HoldsTorchOptimizer):
     def load_resharded(self, shared: dict, load_parameters: Callable[[dict], None] | None = None) -> None:
         raise UserError(f"{self.name} sharded inside the node (HSDP) resumes at the layout it was saved at; resume it there, without --reshard.")
 
+    def resharded_state(self) -> str:
+        return "none: HSDP does not reshard"
+
 
 class SelfSyncing(_HoldsTorchOptimizer):
     """An optimizer that does its own data-parallel communication (a DataParallelOptimizer), driving
@@ -436,3 +445,6 @@ class SelfSyncing(_HoldsTorchOptimizer):
 
     def load_resharded(self, shared: dict, load_parameters: Callable[[dict], None] | None = None) -> None:
         self.optimizer.load_resharded(shared, load_parameters)
+
+    def resharded_state(self) -> str:
+        return self.optimizer.resharded_state()

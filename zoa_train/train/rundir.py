@@ -183,8 +183,8 @@ def check_resumable(checkpoint: Path, world_size: int, reshard: bool = False) ->
     saved = marker["world_size"]
     if saved != world_size and reshard and marker.get("synced") == 0:
         raise UserError(
-            f"cannot reshard checkpoint {checkpoint}: it was taken inside a 0/1 Adam local-step period (the ranks' parameters "
-            f"and momenta differ there); resume it at its {saved} ranks, or reshard one taken at a synchronised step "
+            f"cannot reshard checkpoint {checkpoint}: it was taken {_unsynced_words(checkpoint)} (the ranks' parameters "
+            f"differ there); resume it at its {saved} ranks, or reshard one taken at a synchronised step "
             "(the last step of a run always is)."
         )
     if saved != world_size and not reshard:
@@ -193,6 +193,17 @@ def check_resumable(checkpoint: Path, world_size: int, reshard: bool = False) ->
             "the optimizer's error buffers are per rank, so resume with the same number of processes, "
             "or pass --reshard to continue at this size (error buffers reset; see docs/faults.md)."
         )
+
+
+def _unsynced_words(checkpoint: Path) -> str:
+    """Where in its optimizer's cycle a checkpoint of differing ranks was taken, by the recipe it records."""
+    try:
+        optimizer = read_checkpoint_file(checkpoint / "trainer.pt")["recipe"]["optimizer"]["name"]
+    except (OSError, KeyError, TypeError, UserError, RuntimeError):  # written before checkpoints held their recipe
+        optimizer = None
+    return {"zero_one_adam": "inside a 0/1 Adam local-step period", "diloco": "between two of DiLoCo's outer steps"}.get(
+        optimizer, "while the ranks' parameters differed (inside a 0/1 Adam local-step period or between DiLoCo's outer steps)"
+    )
 
 
 class RunDirectory:

@@ -12,6 +12,7 @@ averaged in full precision, and a global norm would cost a full-precision allred
 """
 
 import contextlib
+import copy
 import functools
 import logging
 import random
@@ -35,6 +36,7 @@ from zoa_train.errors import UserError
 from zoa_train.optim import registry
 from zoa_train.precision import autocast
 from zoa_train.tasks import build_task
+from zoa_train.train import resume_rules
 from zoa_train.train.loss_scaling import LossScaler
 from zoa_train.train.metrics import LogWindow, MetricsLogger
 from zoa_train.train.rundir import RunDirectory, agree, complete_checkpoints, read_marker
@@ -129,15 +131,23 @@ def _store_get(key: str, wait_s: float) -> str | None:
     return None
 
 
-def reshard_position(state: dict, world_size: int) -> dict:
+def reshard_position(state: dict, world_size: int, micro_batch_size: int | None = None) -> dict:
     """A data loader position (epoch, batch_index in chunks of world_size * micro_batch_size samples) at
-    another world size: the same epoch order continued at the same sample, so the global batches that
-    follow are the very ones the old world size would have drawn (until the epoch's skipped tail, whose
-    length depends on the world size)."""
-    samples = state["batch_index"] * state["world_size"]  # in micro-batches of micro_batch_size
-    if samples % world_size:
-        log.warning("the data position (%d micro-batches into epoch %d) does not divide by %d ranks: rounded down", samples, state["epoch"], world_size)
-    return {**state, "world_size": world_size, "batch_index": samples // world_size}
+    another world size or micro-batch size: the same epoch order continued at the same sample, so the
+    global batches that follow are the very ones the old layout would have drawn (until the epoch's
+    skipped tail, whose length depends on the layout)."""
+    micro = micro_batch_size or state.get("micro_batch_size", 1)
+    samples = state["batch_index"] * state["world_size"] * state.get("micro_batch_size", micro)
+    if samples % (world_size * micro):
+        log.warning(
+            "the data position (%d samples into epoch %d) does not divide into micro-batches of %d x %d ranks: rounded down",
+            samples,
+            state["epoch"],
+            micro,
+            world_size,
+        )
+    moved = {**state, "world_size": world_size, "batch_index": samples // (world_size * micro)}
+    return moved | ({"micro_batch_size": micro} if "micro_batch_size" in state else {})
 
 
 def _plain_numpy_state(state: tuple) -> tuple:
@@ -147,6 +157,19 @@ def _plain_numpy_state(state: tuple) -> tuple:
 
 
 SHARDED_STATE = "optimizer"  # the directory of a sharded checkpoint's optimizer state per parameter
+
+
+def _layout_refusal(path: Path, changed: list, cause: Exception) -> str:
+    """Why a checkpoint's 1-bit layout does not fit this run's, naming the recipe keys that changed it."""
+    keys = [c for c in changed if c.key in resume_rules.LAYOUT]
+    if not keys:
+        return f"cannot resume from {path}: {cause}."
+    said = ", ".join(f"{c.key} {resume_rules.show(c.now)} (was {resume_rules.show(c.was)})" for c in keys)
+    back = " and ".join(f"{c.key} {resume_rules.show(c.was)}" for c in keys)
+    return (
+        f"cannot resume from {path} with {said}: that lays the 1-bit rounds out otherwise than the checkpoint's error buffers; "
+        f"resume with {back}, or pass --reshard to continue with the error buffers at zero."
+    )
 
 
 def _layout_words(layout: list[int] | None) -> str:
@@ -216,6 +239,7 @@ class Trainer:
         self.first_nonfinite = self._step_tensor(self._NONE)
         self.stop_requested, self.stop_at = False, None
         self.phase = "set-up"
+        self.recipe_changes: list[dict] = []  # keys changed on resumes, each with the step it took effect at (resume_rules.py)
         if threading.current_thread() is threading.main_thread():
             self._previous_handlers = {sig: signal.signal(sig, self._request_stop) for sig in STOP_SIGNALS}
         if checkpoint is not None:
@@ -235,6 +259,11 @@ class Trainer:
             self.run_dir.trim_metrics(self.step)
         if self.is_main:
             (self.run_dir.path / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+            changes = self.run_dir.path / resume_rules.CHANGES
+            if self.recipe_changes:
+                changes.write_text(yaml.safe_dump(self.recipe_changes, sort_keys=False))
+            else:
+                changes.unlink(missing_ok=True)
             self.task.save_artifacts(self.run_dir.path)
         self.metrics = MetricsLogger(self.run_dir.path, recipe, t.steps, self.step, self.is_main)
 
@@ -458,6 +487,8 @@ class Trainer:
                     "world_size": self.world,
                     "skipped_nonfinite": self.skipped_nonfinite,
                     "sharded": self._shard_layout(),
+                    "recipe": self.recipe.to_dict(),  # what it trained with (a resume compares: zoa_train/train/resume_rules.py)
+                    "recipe_changes": self.recipe_changes,
                 },
             }
         # Sharded at a sync: the optimizer's state per parameter, each rank writing its shards, which
@@ -478,6 +509,9 @@ class Trainer:
         saved_world = read_marker(path)["world_size"]
         resharded = saved_world != self.world  # only with --reshard (RunDirectory.check refuses it otherwise)
         shared = load(path, "trainer.pt")
+        saved_recipe = resume_rules.saved_recipe(shared, path)
+        changed = resume_rules.changes(saved_recipe, self.recipe, shared["step"]) if saved_recipe is not None else []
+        resume_rules.judge(path, changed)  # a key that cannot change during a run: refused before anything loads
         saved_layout = shared.get("sharded")
         if saved_layout != self._shard_layout():
             if not self.reshard:
@@ -490,13 +524,15 @@ class Trainer:
         mine = load(path, f"rank_{min(self.rank, saved_world - 1):05d}.pt")
         if "model" in mine and not resharded:
             self._load_model(path, mine["model"], local=bool(self.sharding))
+        groups = self.opt.optimizer.param_groups
+        built = copy.deepcopy([{k: v for k, v in group.items() if k != "params"} for group in groups])  # the recipe's settings
         try:
             if not resharded:
                 try:
                     self.opt.load_state_dicts(mine.get("optimizer_shared") or load(path, "optimizer.pt"), mine["optimizer"])
-                except TopologyChanged:  # another comm.topology or node layout: only --reshard continues
+                except TopologyChanged as e:  # another comm.topology or node layout: only --reshard continues
                     if not self.reshard:
-                        raise
+                        raise UserError(_layout_refusal(path, changed, e)) from None
                     resharded = True
             if resharded:  # refuses a checkpoint inside a local-step period (rank files then hold their own models)
                 per_parameter = path / SHARDED_STATE  # a sharded run's optimizer state, saved by torch.distributed.checkpoint
@@ -504,28 +540,37 @@ class Trainer:
                 self.opt.load_resharded(load(path, "optimizer.pt"), loader)
         except (ValueError, KeyError) as e:  # another optimizer, model size, 1-bit layout or topology
             raise UserError(f"cannot resume from {path}: {e}.") from None
-        if resharded:
-            if self.is_main:
-                log.warning(
-                    "resharding %s from %d to %d ranks%s: parameters, momentum and variance carry over, the 1-bit error "
-                    "buffers start at zero and the data continue at the same sample of the same epoch order",
-                    path,
-                    saved_world,
-                    self.world,
-                    "" if saved_world != self.world else " (another 1-bit sync topology)",
-                )
-            mine["loader"] = reshard_position(mine["loader"], self.world)
-        self.batches.load_state_dict(mine["loader"])
+        for group, settings in zip(groups, built):  # the state is the checkpoint's, the settings this recipe's
+            group.update(settings)
+        if resharded and self.is_main:
+            log.warning(
+                "resharding %s from %d to %d ranks%s: %s; the data continue at the same sample of the same epoch order",
+                path,
+                saved_world,
+                self.world,
+                "" if saved_world != self.world else " (another 1-bit sync layout)",
+                self.opt.resharded_state(),
+            )
+        position = mine["loader"]
+        if resharded or position.get("micro_batch_size", self.recipe.train.micro_batch_size) != self.recipe.train.micro_batch_size:
+            position = reshard_position(position, self.world, self.recipe.train.micro_batch_size)
+        self.batches.load_state_dict(position)
         if self.rank < saved_world:  # a rank the checkpoint did not have keeps its fresh seed (rank_seed)
             torch.set_rng_state(mine["rng"]["torch"])
             if mine["rng"].get("device") is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["rng"]["device"], self.device)
             np.random.set_state(tuple(mine["rng"]["numpy"]))
             random.setstate(mine["rng"]["python"])
-        self.scheduler.load_state_dict(shared["scheduler"])
-        self.scaler.load_state_dict(mine["scaler"] if "scaler" in mine else shared["scaler"])  # older checkpoints kept one scale
+        # The schedule continues at the saved step, from this recipe's lr and schedule.
+        self.scheduler = self.recipe.lr_schedule().scheduler(self.opt.optimizer, start=shared["scheduler"]["last_epoch"])
+        if saved_recipe is None or saved_recipe["train"]["precision"] == self.recipe.train.precision:  # else the scaler starts afresh
+            self.scaler.load_state_dict(mine["scaler"] if "scaler" in mine else shared["scaler"])  # older checkpoints kept one scale
         self.step, self.wall_offset = shared["step"], shared["wall_time"]
         self.skipped_nonfinite = shared.get("skipped_nonfinite", 0)
+        self.recipe_changes = [*shared.get("recipe_changes", []), *resume_rules.recorded(changed)]
+        if self.is_main:
+            for line in resume_rules.applied(changed):
+                print(line, flush=True)
 
     def _shard_layout(self) -> list[int] | None:
         """[nodes, ranks per node] of a sharded run (what its per-rank state depends on), None unsharded."""
