@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import ROOT, ZOA, refused, zoa
+from conftest import ROOT, ZOA, refused, zoa, zoa_here
 from typer.testing import CliRunner
 
 from zoa_train.cli import app
@@ -269,3 +269,39 @@ def test_a_checkpoint_that_rotation_removes_while_it_is_read_gives_way_to_the_ne
     assert chosen == ["step_00000003", "step_00000005"] and result.step == 5
     assert f"checkpoint {run / 'checkpoints' / 'step_00000003'} was removed while it was being read" in caplog.text
     assert json.loads((tmp_path / "hf" / RECORD).read_text())["checkpoint_step"] == 5
+
+
+def gpt2_tiny_run(tmp: Path, recipe_n_layer: int = 2) -> Path:
+    """A run directory as `zoa-train run recipes/gpt2_tiny.yaml` leaves it for export and eval: the recipe,
+    a trained tokenizer and a complete checkpoint of gpt2_tiny's 2-layer model (untrained weights). With
+    `recipe_n_layer` 3, its recipe.yaml was edited after the run wrote it."""
+    from zoa_train.config import load_recipe
+    from zoa_train.data.tokenizer import load_or_train_tokenizer
+    from zoa_train.models import ModelInputs, create
+
+    run = tmp / "run"
+    checkpoint = run / "checkpoints" / "step_00000001"
+    checkpoint.mkdir(parents=True)
+    tokenizer = load_or_train_tokenizer("gpt2", None, [SENTENCE] * 20, 300, tmp / "trained-tokenizer")
+    tokenizer.save_pretrained(run / "tokenizer")
+    shutil.rmtree(tmp / "trained-tokenizer")
+    (tmp / "trained-tokenizer.lock").unlink(missing_ok=True)
+    recipe = load_recipe(ROOT / "recipes" / "gpt2_tiny.yaml")
+    torch.save(create(recipe.model, ModelInputs.of_tokenizer(tokenizer, recipe.data.seq_len)).state_dict(), checkpoint / "model.pt")
+    (checkpoint / "COMPLETE").write_text("step 1\nworld_size 1\n")
+    (run / "recipe.yaml").write_text((ROOT / "recipes" / "gpt2_tiny.yaml").read_text().replace("n_layer: 2", f"n_layer: {recipe_n_layer}"))
+    return run
+
+
+def test_a_checkpoint_its_recipe_no_longer_describes_is_refused_naming_what_differs(tmp_path, capsys):
+    run = gpt2_tiny_run(tmp_path)
+    assert type(load_language_model(run).model).__name__ == "GPT2LMHeadModel"  # the recipe as the run wrote it rebuilds the model
+    edited = gpt2_tiny_run(tmp_path / "edited", recipe_n_layer=3)
+    done = zoa_here(capsys, "export", str(edited), str(tmp_path / "out"))
+    refused(done)
+    model_file = edited / "checkpoints" / "step_00000001" / "model.pt"
+    assert done.stderr.strip() == (
+        f"error: {model_file} does not fit the model that {edited / 'recipe.yaml'} describes (12 tensors missing, 0 extra, 0 of another shape; "
+        "transformer.h.2.ln_1.weight is not in the file); recipe.yaml was changed after the run wrote it: put back the one the run wrote."
+    )
+    assert not (tmp_path / "out").exists()

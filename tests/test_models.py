@@ -11,6 +11,7 @@ The plugin is only ever imported by those commands, never into this process.
 
 import dataclasses
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -131,9 +132,10 @@ def test_hf_causal_lm_needs_a_config_and_takes_its_sizes_from_it(tmp_path):
         recipe_from_dict({"model": {"kind": "hf_causal_lm"}}, "r.yaml")
     with pytest.raises(UserError, match=r"^r.yaml: model.n_layer has no meaning for hf_causal_lm, whose sizes are its config's; leave it unset.$"):
         recipe_from_dict({"model": {"kind": "hf_causal_lm", "hf_config": str(tmp_path), "n_layer": 2}}, "r.yaml")
-    recipe = recipe_from_dict({"model": {"kind": "hf_causal_lm", "hf_config": str(tmp_path / "none")}})
-    with pytest.raises(UserError, match="is not a loadable Hugging Face config"):
-        create(recipe.model, ModelInputs(100, 64))
+    with pytest.raises(UserError, match=r"^r.yaml: model.hf_config .*/none does not exist: it names a local directory"):
+        recipe_from_dict({"model": {"kind": "hf_causal_lm", "hf_config": str(tmp_path / "none")}}, "r.yaml")
+    with pytest.raises(UserError, match=r"^r.yaml: model.hf_config .* holds no config.json; give a directory that save_pretrained or zoa-train export wrote.$"):
+        recipe_from_dict({"model": {"kind": "hf_causal_lm", "hf_config": str(tmp_path)}}, "r.yaml")  # empty: no config.json yet
     transformers.Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
     model = create(recipe_from_dict({"model": {"kind": "hf_causal_lm", "hf_config": str(tmp_path)}}).model, ModelInputs(100, 64, eos_token_id=7))
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.vocab_size == 100 and model.config.eos_token_id == 7
@@ -287,4 +289,7 @@ def test_a_causal_lm_from_a_hugging_face_config_trains_exports_and_evaluates(tmp
     model = transformers.AutoModelForCausalLM.from_pretrained(out)
     assert type(model).__name__ == "Qwen2ForCausalLM" and model.config.vocab_size == 4096 and model.config.num_key_value_heads == 2
     assert json.loads((out / "zoa_export.json").read_text())["model_kind"] == "hf_causal_lm"
-    assert wikitext(out, text_files["text"], tmp_path / "wikitext.json")["token_perplexity"] > 1
+    exported = wikitext(out, text_files["text"], tmp_path / "wikitext.json")["token_perplexity"]
+    assert exported > 1
+    shutil.rmtree(config)  # the run recorded the config it built its model from (model_config/): eval needs hf_config no more
+    assert wikitext(run, text_files["text"], tmp_path / "run.json")["token_perplexity"] == pytest.approx(exported, rel=1e-5)

@@ -18,6 +18,7 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from zoa_train.data.cache import exclusive_lock, temporary_name
 from zoa_train.errors import UserError
+from zoa_train.pretrained import existing
 
 if TYPE_CHECKING:  # transformers takes seconds to import: only when a tokenizer is loaded
     from transformers import PreTrainedTokenizerBase
@@ -76,13 +77,12 @@ def _load_pretrained(name_or_path: str) -> "PreTrainedTokenizerBase":
     """A hub name or a local directory; offline only a local directory (or a hub cache) works."""
     from transformers import AutoTokenizer
 
-    local = Path(name_or_path).expanduser()
-    if not local.is_dir() and name_or_path.startswith((".", "/", "~")):
-        raise UserError(f"Tokenizer directory {name_or_path} does not exist.")
+    where = existing(name_or_path, "data.tokenizer", "the tokenizer's files, or leave data.tokenizer unset to train one on the corpus")
     try:
-        return AutoTokenizer.from_pretrained(local if local.is_dir() else name_or_path)
+        return AutoTokenizer.from_pretrained(where)
     except (OSError, ValueError) as e:
-        raise UserError(f"Could not load tokenizer {name_or_path!r} ({e}); offline, give a local directory or leave it empty to train one.") from e
+        first = str(e).strip().splitlines()[0].split(". ")[0].rstrip(".") if str(e).strip() else type(e).__name__  # its first sentence of several
+        raise UserError(f"data.tokenizer {name_or_path} could not be loaded ({first}); offline, give a local directory or leave it unset to train one.") from e
 
 
 def _train_and_save(kind: str, texts: Iterable[str], vocab_size: int, out_dir: Path) -> None:

@@ -4,8 +4,9 @@
 directory, a model file inside a run directory, or a Hugging Face directory (`zoa-train export`'s
 output, or any model of a registered language family saved with save_pretrained: GPT-2, BERT, Llama).
 The model family's registry entry (zoa_train/models/registry.py) says how a checkpoint is rebuilt
-(its builder, from the run's recipe and tokenizer), which Hugging Face model types it holds, and
-which evaluations accept it. A checkpoint taken inside a 0/1 Adam
+(its builder, from the run's recipe and tokenizer; from the config the run recorded in model_config/
+where the recipe alone does not name the model: model.init_from, model.hf_config), which Hugging Face
+model types it holds, and which evaluations accept it. A checkpoint taken inside a 0/1 Adam
 local-step period holds each rank's own parameters (rank_XXXXX.pt "model"); its model is then the
 ranks' average, and `averaged_ranks` says how many were averaged.
 """
@@ -19,6 +20,7 @@ import torch
 
 from zoa_train.errors import UserError
 from zoa_train.models import registry as models
+from zoa_train.models.builders import state_difference
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,7 @@ def _load_hugging_face(path: Path) -> LoadedModel:
 
     try:
         config = transformers.AutoConfig.from_pretrained(path)
-        spec = models.of_hf_model_type(config.model_type)
+        spec = _exported_family(path) or models.of_hf_model_type(config.model_type)
         if spec is None or not spec.tokenizer:
             raise UserError(f"{path} holds a {config.model_type} model; zoa-train evaluates {_language_families()} models.")
         from zoa_train.tasks import task_of
@@ -75,15 +77,46 @@ def _load_hugging_face(path: Path) -> LoadedModel:
     return LoadedModel(model, tokenizer, spec.kind, None, str(path))
 
 
+def run_recipe(run_dir: Path):
+    """The recipe a run trained with, as its recipe.yaml holds it (resolved, and checked when the run began),
+    its imports imported (the families of one's own). Not checked again against what lies outside the run
+    (data files, model.init_from, data.tokenizer): eval and export read none of it, and it may have moved."""
+    import yaml
+
+    from zoa_train.config import Recipe, build_section
+    from zoa_train.files import load_yaml
+    from zoa_train.optim import registry
+
+    path = run_dir / "recipe.yaml"
+    try:
+        data = load_yaml(path.read_text(encoding="utf-8"), str(path)) or {}
+    except (UnicodeDecodeError, yaml.YAMLError):
+        raise UserError(f"{path} is not the YAML recipe that zoa-train run writes.") from None
+    if isinstance(data, dict) and data.get("imports"):
+        registry.import_modules(data["imports"], str(path))
+    return build_section(Recipe, data, str(path))
+
+
+def _exported_family(path: Path):
+    """The family `zoa-train export` recorded beside the model (its zoa_export.json, export.py's RECORD), or
+    None: an hf_causal_lm run of a BERT config exports a bert model type that is no BERT masked LM."""
+    import json
+
+    try:
+        return models.find(json.loads((path / "zoa_export.json").read_text()).get("model_kind"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def _load_checkpoint(path: Path) -> LoadedModel:
-    from zoa_train.config import load_recipe
     from zoa_train.data.tokenizer import load_saved_tokenizer
     from zoa_train.models import ModelInputs, create
+    from zoa_train.tasks.language import MODEL_CONFIG
 
     model_file, run, state, ranks, step = _read_state(path)
     if run is None:
         raise UserError(f"{model_file} lies outside a run directory: its recipe.yaml and tokenizer/ are needed to rebuild the model.")
-    recipe = load_recipe(run.path / "recipe.yaml")  # its imports register the families of one's own
+    recipe = run_recipe(run.path)
     kind = recipe.model.kind
     spec = models.get(kind)
     if not spec.tokenizer:
@@ -92,13 +125,37 @@ def _load_checkpoint(path: Path) -> LoadedModel:
     if not tokenizer_dir.is_dir():
         raise UserError(f"run directory {run.path} has no tokenizer/ directory.")
     tokenizer = load_saved_tokenizer(spec.tokenizer, tokenizer_dir)
-    cfg = dataclasses.replace(recipe.model, init_from=None)  # the weights come from the checkpoint
-    model = create(cfg, ModelInputs.of_tokenizer(tokenizer, recipe.data.seq_len))  # as the task built it
-    try:
-        model.load_state_dict(state)
-    except RuntimeError as e:
-        raise UserError(f"{model_file} does not fit the model of {run.path / 'recipe.yaml'}: {str(e).strip().splitlines()[0]}") from None
+    recorded = run.path / MODEL_CONFIG
+    if (recorded / "config.json").is_file():  # a model the recipe alone does not name (init_from, hf_config)
+        model, described = _from_recorded_config(recorded, kind), recorded / "config.json"
+    else:
+        cfg = dataclasses.replace(recipe.model, init_from=None)  # the weights come from the checkpoint
+        model = create(cfg, ModelInputs.of_tokenizer(tokenizer, recipe.data.seq_len))  # as the task built it
+        described = run.path / "recipe.yaml"
+    difference = state_difference(model.state_dict(), state)
+    if difference:
+        if recipe.model.init_from and described.name == "recipe.yaml":  # a run from before the config was recorded
+            fix = f"the run trained the model of model.init_from {recipe.model.init_from}: copy its config.json into {recorded}/ to rebuild that"
+        else:
+            fix = f"{described.name} was changed after the run wrote it: put back the one the run wrote"
+        raise UserError(f"{model_file} does not fit the model that {described} describes ({difference}); {fix}.")
+    model.load_state_dict(state)
     return LoadedModel(model, tokenizer, kind, step, str(model_file), ranks)
+
+
+def _from_recorded_config(directory: Path, kind: str) -> torch.nn.Module:
+    """The model of a run's recorded config (tasks/language.py: MODEL_CONFIG), built as its task's Auto
+    class builds the recorded architecture, with fresh weights for the checkpoint's."""
+    import transformers
+
+    from zoa_train.tasks import task_of
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(directory)
+        auto_class = task_of(kind).auto_class((config.architectures or [None])[0])
+        return getattr(transformers, auto_class).from_config(config)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{directory / 'config.json'} is not the model config the run recorded ({str(e).strip().splitlines()[0]}).") from None
 
 
 def _read_state(path: Path):

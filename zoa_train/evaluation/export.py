@@ -130,7 +130,9 @@ def _read_paths(checkpoint: Path) -> list[Path]:
     model_file, run = resolve_model_file(checkpoint)
     paths = [checkpoint, model_file, model_file.parent]  # the rank files beside model.pt
     if run is not None:
-        paths += [run.path / "recipe.yaml", run.path / "tokenizer"]
+        from zoa_train.tasks.language import MODEL_CONFIG
+
+        paths += [run.path / "recipe.yaml", run.path / "tokenizer", run.path / MODEL_CONFIG]
     return [p.resolve() for p in paths]
 
 

@@ -15,6 +15,8 @@ import torch
 
 from zoa_train.errors import UserError
 
+TASK_WORDS = {"causal_lm": "a causal LM", "masked_lm": "a masked LM"}
+
 
 def evaluate_imagenet(
     checkpoint: str | Path,
@@ -26,17 +28,28 @@ def evaluate_imagenet(
     crop_size: int | None = None,
 ) -> dict | None:
     """The metrics as a dict on rank 0 (None on the other ranks)."""
-    from zoa_train.config import load_recipe, model_section
+    from zoa_train.config import model_section
     from zoa_train.data.images import eval_transform, image_validation_batches, scan_image_folder
     from zoa_train.distributed import evaluation_ranks
+    from zoa_train.evaluation.checkpoints import run_recipe
     from zoa_train.models import ModelInputs, create
+    from zoa_train.models import registry as models
     from zoa_train.tasks.base import evaluate_batches
     from zoa_train.tasks.images import ImageClassification, classification_sums
     from zoa_train.train.rundir import resolve_model_file
 
     model_file, run = resolve_model_file(checkpoint)
-    recipe = load_recipe(run.path / "recipe.yaml") if run is not None else None
+    recipe = run_recipe(run.path) if run is not None else None
     kind = model_kind or (recipe.model.kind if recipe is not None else "resnet18")
+    spec = models.get(kind)
+    if "imagenet" not in spec.evaluations:  # a run of another task: its model.pt holds no classifier to read
+        others = " or ".join(f"zoa-train eval {name}" for name in spec.evaluations)
+        fix = f"evaluate it with {others}" if others else "no zoa-train evaluation takes it"
+        classifiers = ", ".join(s.title for s in models.accepting("imagenet"))
+        raise UserError(
+            f"{run.path if run is not None else model_file} trains a {spec.title} model ({TASK_WORDS.get(spec.task, spec.task)}) and eval imagenet "
+            f"evaluates image classifiers ({classifiers}); {fix}."
+        )
     if recipe is not None and model_kind and model_kind != recipe.model.kind:
         raise UserError(f"--model {model_kind} disagrees with the run's recipe, which trained {recipe.model.kind}.")
     samples, folder_classes = scan_image_folder(data)

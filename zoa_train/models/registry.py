@@ -13,11 +13,12 @@ tests/model_plugin.py registers one from outside the package.
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from zoa_train import checks
+from zoa_train import checks, pretrained
 from zoa_train.checks import Check
 from zoa_train.errors import UserError
 from zoa_train.models import builders
@@ -70,6 +71,9 @@ class ModelSpec:
     # that transformers' AutoModelForCausalLM loads
     hf_model_types: tuple[str, ...] = ()
     evaluations: tuple[str, ...] = ()  # the `zoa-train eval` commands that accept it
+    # shape knob -> the attribute of the family's Hugging Face config that holds it: with init_from, what
+    # the model section states of the shape (its preset, its keys) must be what the pretrained model has
+    hf_shape: Mapping[str, str] = field(default_factory=dict)
 
     def shape(self, cfg) -> dict:
         """The preset `cfg.size` names with cfg's set values over it ("custom": cfg's alone, each of
@@ -80,12 +84,21 @@ class ModelSpec:
             if missing:
                 raise UserError(f"model.size custom needs {_and(['model.' + key for key in self.custom_needs])}.")
             base = {}
-        elif size in self.presets:
-            base = self.presets[size]
         else:
-            raise UserError(f"model.size {size!r} is not a {self.kind} preset; choose one of {', '.join(self.presets)} or custom.")
+            base = self.preset(size)
         keys = [*self.presets[next(iter(self.presets))], *self.custom_needs]
         return {key: getattr(cfg, key) if getattr(cfg, key) is not None else base.get(key) for key in dict.fromkeys(keys)}
+
+    def preset(self, size: str) -> Mapping[str, Any]:
+        if size not in self.presets:
+            raise UserError(f"model.size {size!r} is not a {self.kind} preset; choose one of {', '.join(self.presets)} or custom.")
+        return self.presets[size]
+
+    def stated_shape(self, cfg) -> dict:
+        """What the section itself says of the shape: its preset's values (a preset named) under the shape
+        keys it sets; nothing of the default preset. With init_from, the model must be of this shape."""
+        base = self.preset(cfg.size) if cfg.size not in (None, "custom") else {}
+        return {**base, **{key: getattr(cfg, key) for key in self.hf_shape if getattr(cfg, key) is not None}}
 
     def shape_of(self, cfg) -> dict:
         """`shape(cfg)`, or {} for a family without presets or a model from init_from (its own shape)."""
@@ -159,7 +172,63 @@ def accepting(evaluation: str) -> list[ModelSpec]:
 def create(section, inputs: ModelInputs) -> torch.nn.Module:
     """The model a recipe's model section names (timm's create_model, by recipe), for what the data says."""
     spec = get(section.kind)
+    if section.init_from and spec.hf_model_types:  # a hub model's config is first seen here; a local one's at check_section too
+        check_pretrained(spec, section, builders.pretrained_config(section.init_from))
     return spec.build(section, spec.shape_of(section), inputs)
+
+
+def _not_causal(model_type: str) -> str | None:
+    """Why a Hugging Face model of `model_type` cannot train as a causal LM, or None."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return "which transformers has no causal LM for"
+    if model_type in builders.NOT_CAUSAL:
+        return "whose causal-LM class in transformers sees later tokens too"
+    return None
+
+
+def _takes(spec: ModelSpec, model_type: str) -> bool:
+    """Whether the family `spec` trains a Hugging Face model of `model_type`."""
+    return model_type in spec.hf_model_types or (ANY_CAUSAL_LM in spec.hf_model_types and _not_causal(model_type) is None)
+
+
+def _config_value(config, attribute: str):
+    # transformers 5 keeps rope_theta in rope_parameters; older configs (and 4.x) at the top level
+    value = getattr(config, attribute, None)
+    return value if value is not None else (getattr(config, "rope_parameters", None) or {}).get(attribute)
+
+
+def check_pretrained(spec: ModelSpec, cfg, config) -> None:
+    """The model of model.init_from (its Hugging Face `config`) is one the family `spec` trains, and of
+    the shape the model section states; UserError of one sentence otherwise."""
+    model_type = config.model_type
+    if not _takes(spec, model_type):
+        if ANY_CAUSAL_LM in spec.hf_model_types:
+            raise UserError(
+                f"model.init_from {cfg.init_from} holds a model of type {model_type}, {_not_causal(model_type)}, "
+                f"and model.kind {spec.kind} trains causal LMs; give it the directory of a causal LM."
+            )
+        other = of_hf_model_type(model_type)
+        wanted = " or ".join(spec.hf_model_types)
+        fix = (
+            f"set model.kind {other.kind} to train it"
+            if other is not None and other.task == spec.task
+            else f"give it the directory of a model of type {wanted}"
+        )
+        raise UserError(f"model.init_from {cfg.init_from} holds a model of type {model_type} and model.kind {spec.kind} takes type {wanted}; {fix}.")
+    stated = spec.stated_shape(cfg)
+    differ = [key for key in spec.hf_shape if key in stated and stated[key] != _config_value(config, spec.hf_shape[key])]
+    if differ:
+        given = [f"model.{key}" for key in differ if getattr(cfg, key) is not None]
+        if len(given) < len(differ):  # a value of the preset
+            given.insert(0, "model.size")
+        loaded = _and([f"{key} {_config_value(config, spec.hf_shape[key])}" for key in differ])
+        said = _and([f"{key} {stated[key]}" for key in differ])
+        raise UserError(
+            f"model.init_from {cfg.init_from} holds a model of {loaded}, not {said} as the recipe states; "
+            f"a pretrained model keeps its own shape, so leave {_and(given)} unset."
+        )
 
 
 def knob_fields() -> list[dataclasses.Field]:
@@ -173,8 +242,8 @@ def knob_fields() -> list[dataclasses.Field]:
 
 def check_section(section, origin: str) -> None:
     """The family's rules on a recipe's model section: its shape (preset, custom's keys, the family's
-    own rules; not with init_from, which brings the pretrained model's own shape), and no other
-    family's knob set away from its default."""
+    own rules; with init_from, the pretrained model's family and shape when it lies in a local directory),
+    and no other family's knob set away from its default."""
     spec = get(section.kind)
     own = {f.name for f in dataclasses.fields(spec.knobs)}
     for f in knob_fields():
@@ -185,6 +254,10 @@ def check_section(section, origin: str) -> None:
         shape = spec.shape_of(section)
         if spec.check is not None:
             spec.check(section, shape)
+        if section.init_from and spec.hf_model_types:
+            spec.stated_shape(section)  # a size that is no preset
+            if pretrained.local_path(section.init_from) is not None:  # its config is cheap to read here; a hub name's is not
+                check_pretrained(spec, section, builders.pretrained_config(section.init_from))
     except UserError as e:
         raise UserError(f"{origin}: {e}") from None
 
@@ -219,6 +292,7 @@ register(
         tokenizer="gpt2",
         hf_model_types=("gpt2",),
         evaluations=LANGUAGE_EVALUATIONS,
+        hf_shape={"n_layer": "n_layer", "n_embd": "n_embd", "n_head": "n_head"},
     )
 )
 
@@ -241,11 +315,20 @@ register(
         tokenizer="bert",
         hf_model_types=("bert",),
         evaluations=("glue",),
+        hf_shape={"n_layer": "num_hidden_layers", "n_embd": "hidden_size", "n_head": "num_attention_heads"},
     )
 )
 
+
+def resnet_rules(cfg, shape: dict) -> None:
+    # a ResNet's init_from is a state-dict file, never a hub name: one that is not there is missing
+    if cfg.init_from and not Path(cfg.init_from).expanduser().is_file():
+        problem = "is a directory" if Path(cfg.init_from).expanduser().is_dir() else "does not exist"
+        raise UserError(f"model.init_from {cfg.init_from} {problem}; {cfg.kind} takes a state-dict file (a zoa-train model.pt or torchvision weights).")
+
+
 for _depth in (18, 34, 50):
-    register(ModelSpec(f"resnet{_depth}", f"ResNet-{_depth}", "image_classification", builders.build_resnet, evaluations=("imagenet",)))
+    register(ModelSpec(f"resnet{_depth}", f"ResNet-{_depth}", "image_classification", builders.build_resnet, check=resnet_rules, evaluations=("imagenet",)))
 
 
 @dataclass
@@ -302,6 +385,16 @@ register(
         tokenizer="gpt2",  # byte-level BPE with one end-of-text token, as Llama 3's
         hf_model_types=("llama",),
         evaluations=LANGUAGE_EVALUATIONS,
+        # not context: the builder raises it to data.seq_len, and a preset's may be shorter than the released model's (1B)
+        hf_shape={
+            "n_layer": "num_hidden_layers",
+            "n_embd": "hidden_size",
+            "n_head": "num_attention_heads",
+            "n_kv_head": "num_key_value_heads",
+            "ffn_size": "intermediate_size",
+            "tie_embeddings": "tie_word_embeddings",
+            "rope_theta": "rope_theta",
+        },
     )
 )
 
@@ -319,6 +412,14 @@ def hf_causal_lm_rules(cfg, shape: dict) -> None:
     for key in ("size", "n_layer", "n_embd", "n_head"):
         if getattr(cfg, key) is not None:
             raise UserError(f"model.{key} has no meaning for hf_causal_lm, whose sizes are its config's; leave it unset.")
+    if cfg.hf_config and cfg.init_from:
+        raise UserError("model.hf_config and model.init_from both name the model; init_from brings its own config, so leave model.hf_config unset.")
+    if cfg.hf_config and pretrained.local_path(cfg.hf_config) is not None:  # cheap to read here; a hub name's is read when the model is built
+        config = builders.pretrained_config(cfg.hf_config, "model.hf_config")
+        if not _takes(get(cfg.kind), config.model_type):
+            raise UserError(
+                f"model.hf_config {cfg.hf_config} is a config of type {config.model_type}, {_not_causal(config.model_type)}; give a causal LM's config."
+            )
 
 
 # Any other causal LM transformers has (Qwen2, Mistral, Phi, Gemma, OLMo, ...), from its config: one

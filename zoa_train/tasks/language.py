@@ -7,7 +7,12 @@ import torch
 
 from zoa_train.errors import UserError
 from zoa_train.models import ModelInputs, create, registry
+from zoa_train.pretrained import existing
 from zoa_train.tasks.base import IMAGE_SOURCES, Task
+
+# The run directory's record of the model's Hugging Face config (config.json), where the recipe does not name
+# the model alone (model.init_from, model.hf_config): what eval and export rebuild the model from.
+MODEL_CONFIG = "model_config"
 
 
 class LanguageTask(Task):
@@ -39,13 +44,31 @@ class LanguageTask(Task):
         for name in d.train_files + d.validation_files:
             if not any(ch in name for ch in "*?[") and not Path(name).expanduser().exists():
                 raise UserError(f"{origin}: data file {name} does not exist.")
+        if d.tokenizer:
+            try:
+                existing(d.tokenizer, "data.tokenizer", "the tokenizer's files, or leave data.tokenizer unset to train one on the corpus")
+            except UserError as e:
+                raise UserError(f"{origin}: {e}") from None
 
     @classmethod
     def model_for_counting(cls, recipe) -> torch.nn.Module:
         return create(recipe.model, ModelInputs(recipe.data.vocab_size, recipe.data.seq_len))
 
     def build_model(self) -> torch.nn.Module:
-        return create(self.recipe.model, ModelInputs.of_tokenizer(self.tokenizer, self.recipe.data.seq_len))
+        m = self.recipe.model
+        model = create(m, ModelInputs.of_tokenizer(self.tokenizer, self.recipe.data.seq_len))
+        if m.init_from and len(self.tokenizer) > model.config.vocab_size:  # its ids would index past the embedding
+            where = f"data.tokenizer {self.recipe.data.tokenizer}" if self.recipe.data.tokenizer else "the tokenizer trained on the corpus"
+            raise UserError(
+                f"{where} has {len(self.tokenizer):,} tokens and the model in model.init_from {m.init_from} embeds {model.config.vocab_size:,}; "
+                "set data.tokenizer to the model's own tokenizer (its directory)."
+            )
+        # The recipe alone does not name a model from init_from or hf_config (a directory outside the run):
+        # the run records its config, so that eval and export rebuild the model that trained.
+        self.recorded_config = model.config if m.init_from or getattr(m, "hf_config", None) else None
+        if self.recorded_config is not None:
+            self.recorded_config.architectures = [type(model).__name__]
+        return model
 
     @classmethod
     def auto_class(cls, architecture: str | None) -> str:
@@ -70,6 +93,8 @@ class LanguageTask(Task):
 
     def save_artifacts(self, run_dir: Path) -> None:
         self.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
+        if getattr(self, "recorded_config", None) is not None:
+            self.recorded_config.save_pretrained(str(run_dir / MODEL_CONFIG))
 
 
 class CausalLM(LanguageTask):
