@@ -5,6 +5,7 @@ registered optimizer's and model family's included), not from a list written her
 is how to change a key so that its effect shows within three steps, and which keys leave the training
 alone by design (validation, logging, the machine)."""
 
+import copy
 import dataclasses
 import shutil
 import types
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 import pytest
+import torch
 import yaml
 from conftest import one_sentence, zoa_here
 
@@ -46,17 +48,12 @@ def schema_types() -> dict[str, object]:
 PROBES = {
     "data.validation_files": [str(Path(__file__).parent / "data" / "corpus" / "validation.txt")],
     "imports": ["zoa_train.comm"],
-    "optimizer.var_freeze_step": 3,
-    "optimizer.var_update_scaler": 2,
-    "optimizer.local_step_interval": 1,
-    "optimizer.local_steps": "steps",
-    "optimizer.local_step_scaler": 1,
-    "optimizer.local_step_clip": 1,
+    "optimizer.var_freeze_step": 4,
+    "optimizer.var_update_scaler": 1,
     "optimizer.update_clip": 1e-3,
     "optimizer.freeze_step": 3,
     "optimizer.sync_every": 3,
     "optimizer.outer_lr": 0.3,
-    "optimizer.topk_density": 0.5,
     "schedule.min_lr": 1e-5,
     "train.global_batch_size": 64,
     "train.micro_batch_size": 8,
@@ -74,7 +71,6 @@ LEAVES_TRAINING = {
         [
             "data.cache_dir",
             "data.workers",
-            "train.steps",
             "train.skip_nonfinite",
             "train.nproc",
             "train.backend",
@@ -95,8 +91,23 @@ LEAVES_TRAINING = {
     ),
     # image augmentation in a language-model run; min_lr in an exponential schedule (cosine's floor)
     **dict.fromkeys(["data.crop_size", "data.resize_size", "data.min_crop_scale", "data.hflip", "schedule.min_lr"], "none"),
-    # the same samples in micro-batches of another size: the same sums, rounded in another order
+    # the same samples in micro-batches of another size: the same sums, rounded in another order (the
+    # validation batches are micro-batches too: another validation loss)
     "train.micro_batch_size": "close",
+    "train.steps": "longer",  # the same steps, and more of them
+    # what acts only between ranks leaves a one-rank run alone: test_knobs_that_act_between_ranks_take_effect_on_resume
+    **dict.fromkeys(
+        [
+            "optimizer.allreduce_dtype",
+            "optimizer.local_steps",
+            "optimizer.local_step_clip",
+            "optimizer.local_step_scaler",
+            "optimizer.local_step_interval",
+            "optimizer.topk_density",
+            "optimizer.topk_error_decay",
+        ],
+        "between ranks",
+    ),
 }
 
 
@@ -178,11 +189,13 @@ def test_a_frozen_variance_refuses_a_later_freeze_step_and_takes_an_earlier_one(
 
 # ---- end to end: each applied key moves the training as its value says -----------------------------
 
-# The base runs: 5 steps, a checkpoint at step 2; a schedule and 0/1 Adam settings under which each
-# knob acts in steps 3-5 (variance updates at steps 0, 1 and 3, the freeze at 4, local steps after it).
+# The base runs: 5 steps, a checkpoint at step 2; a schedule and settings under which each knob acts in
+# steps 3-5 (0/1 Adam's variance updates at steps 0, 1, 2 and 4 before its freeze at 5; 1-bit Adam's and
+# PowerSGD's compression from step 4; DiLoCo's outer steps every 2).
 BASE = [
     "train.steps=5",
     f"train.checkpoint_every={CHECKPOINT}",
+    "train.keep_checkpoints=3",
     "train.log_every=1",
     "train.val_every=0",
     "train.val_batches=1",
@@ -190,10 +203,8 @@ BASE = [
     "logging.tensorboard=false",
     "schedule.warmup_steps=1",
     "schedule.decay_every=1",
-    "optimizer.var_freeze_step=4",
-    "optimizer.var_update_scaler=1",
-    "optimizer.local_steps=fixed",
-    "optimizer.local_step_interval=2",
+    "optimizer.var_freeze_step=5",
+    "optimizer.var_update_scaler=2",
     "optimizer.freeze_step=4",
     "optimizer.sync_every=2",
     "optimizer.outer_collective=topk",
@@ -204,7 +215,6 @@ OWN_RUN = {"onebit_adam", "powersgd", "diloco"}  # their own knobs are tried in 
 @pytest.fixture(scope="module")
 def one_rank_env():
     """This process as the only rank of a launcher's group: `zoa-train run` trains here."""
-    import torch
     from distributed_harness import free_port
 
     env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
@@ -222,11 +232,10 @@ def train(capsys, run_dir: Path, cache_dir: Path, *settings: str, resume: str | 
 
 
 def final(run_dir: Path) -> dict:
-    import torch
-
-    last = yaml.safe_load((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    records = [yaml.safe_load(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     model = torch.load(run_dir / "checkpoints" / "step_00000005" / "model.pt", weights_only=True)
-    return {"val_loss": last["val_loss"], "loss": last["loss"], "model": model}
+    losses = [(r["step"], r["loss"]) for r in records]
+    return {"val_loss": records[-1]["val_loss"], "loss": records[-1]["loss"], "model": model, "losses": losses, "steps": len(losses)}
 
 
 @pytest.fixture(scope="module")
@@ -249,20 +258,27 @@ def base_runs(tmp_path_factory, cache_dir, one_rank_env):
 
 
 def end_to_end_cases() -> list:
-    """(optimizer of the run, key): the run's own knobs in its own run, every other key in 0/1 Adam's."""
+    """(optimizer of the run, key) for each key that a base run takes on a resume (those its rule refuses
+    are refused before anything loads: the test above holds their sentences, tests/test_bad_input.py the
+    directory left as it was): the run's own knobs in its own run, every other key in 0/1 Adam's."""
+    base = config.load_recipe(RECIPE, BASE).to_dict()
     cases = []
     for key in schema_types():
         section, _, name = key.partition(".")
-        owner = next(
-            (o for o in sorted(OWN_RUN) if section == "optimizer" and registry.uses_knob(o, name) and not registry.uses_knob("zero_one_adam", name)), None
-        )
-        cases.append(pytest.param(owner or "zero_one_adam", key, id=key))
+        own = section == "optimizer" and not registry.uses_knob("zero_one_adam", name)
+        for optimizer in [o for o in sorted(OWN_RUN) if registry.uses_knob(o, name)] if own else ["zero_one_adam"]:
+            found = change(key, base, optimizer)
+            if found is None:
+                continue  # the recipe refuses the value in such a run (another family's knob): nothing to resume
+            try:
+                resume_rules.judge(Path("ckpt"), [found])
+            except UserError:
+                continue
+            cases.append(pytest.param(optimizer, key, id=f"{key}-{optimizer}" if own else key))
     return cases
 
 
 def same(a, b) -> bool:
-    import torch
-
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
@@ -272,8 +288,6 @@ def test_a_changed_key_is_refused_or_moves_the_training_as_it_says(base_runs, tm
     base_dir, before = base_runs[optimizer]
     recipe = yaml.safe_load((base_dir / "recipe.yaml").read_text())
     found = change(key, recipe, optimizer)
-    if found is None:
-        pytest.skip(f"the recipe refuses {key} {probe(key, resume_rules.flat(recipe)[key], schema_types()[key])} in a {optimizer} run")
     run_dir = tmp_path / "run"
     shutil.copytree(base_dir, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
@@ -288,12 +302,77 @@ def test_a_changed_key_is_refused_or_moves_the_training_as_it_says(base_runs, tm
     assert f"resuming with {key} {resume_rules.show(found.now)}, was {resume_rules.show(found.was)} (from step 3" in done.stdout
     assert resume_rules.flat(yaml.safe_load((run_dir / "recipe.yaml").read_text()))[key] == found.now
     assert yaml.safe_load((run_dir / resume_rules.CHANGES).read_text()) == [found.record()]
-    after = final(run_dir)
     effect = LEAVES_TRAINING.get(key, "trains")
+    if effect == "longer":
+        losses = [(r["step"], r["loss"]) for r in map(yaml.safe_load, (run_dir / "metrics.jsonl").read_text().splitlines())]
+        assert losses[: before["steps"]] == before["losses"] and losses[-1][0] == found.now
+        return
+    after = final(run_dir)
     if effect == "trains":
         assert after["val_loss"] != before["val_loss"] and not same(after["model"], before["model"]), f"{key} {found.now} did not change the training"
     elif effect == "close":
-        assert after["val_loss"] == pytest.approx(before["val_loss"], rel=1e-4)
-    else:
+        assert after["loss"] == pytest.approx(before["loss"], rel=1e-5)
+        assert all(torch.allclose(after["model"][k], before["model"][k], atol=1e-5) for k in before["model"])
+    else:  # none, validates, between ranks
         assert same(after["model"], before["model"]), f"{key} {found.now} changed the model"
         assert (after["val_loss"] != before["val_loss"]) == (effect == "validates"), (key, after["val_loss"], before["val_loss"])
+
+
+# Knobs that act only between ranks, each changed on a resume of two ranks in one process group: a run
+# of the optimizer with its base knobs, its state saved at step 3 and continued for 5 steps; resumed from
+# the saved state with the same knobs it must end where it did, resumed with the changed knob elsewhere.
+BETWEEN_RANKS = [
+    # (optimizer, its base knobs, the knob, its new value)
+    ("zero_one_adam", dict(var_freeze_step=2, local_steps="fixed", local_step_interval=2), "local_step_interval", 1),
+    ("zero_one_adam", dict(var_freeze_step=2, local_steps="fixed", local_step_interval=2), "local_steps", "lr"),
+    ("zero_one_adam", dict(var_freeze_step=2, local_steps="steps", local_step_scaler=1, local_step_clip=4), "local_step_clip", 1),
+    ("zero_one_adam", dict(var_freeze_step=2, local_steps="steps", local_step_scaler=1, local_step_clip=4), "local_step_scaler", 100),
+    ("zero_one_adam", dict(var_freeze_step=20, var_update_scaler=1, allreduce_dtype="fp32"), "allreduce_dtype", "bf16"),
+    ("diloco", dict(sync_every=2, outer_collective="topk", topk_density=0.05, topk_chunk=16), "topk_density", 0.5),
+    ("diloco", dict(sync_every=2, outer_collective="topk", topk_density=0.05, topk_chunk=16), "topk_error_decay", 0.5),
+]
+
+
+def _resume_with_changed_knobs(rank: int, world_size: int) -> list[bool]:
+    def build(optimizer: str, knobs: dict):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        section = config.optimizer_section()(name=optimizer, lr=0.05, **knobs)
+        return model, registry.create(section, model, torch.device("cpu"), world_size)
+
+    def train(model, opt, steps: int, first: int) -> None:
+        for t in range(first, first + steps):
+            data = torch.Generator().manual_seed(1000 * rank + t)
+            x = torch.randn(32, 8, generator=data)
+            model(x).sub(x[:, :4].sin()).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+    def resumed(optimizer: str, knobs: dict, shared: dict, own: dict, saved_model: dict) -> list[torch.Tensor]:
+        model, opt = build(optimizer, knobs)
+        model.load_state_dict(saved_model)
+        opt.load_state_dicts(shared, own)
+        train(model, opt, 5, 3)
+        return [p.detach().clone() for p in model.parameters()]
+
+    moved = []
+    for optimizer, knobs, knob, value in BETWEEN_RANKS:
+        model, opt = build(optimizer, knobs)
+        train(model, opt, 3, 0)
+        saved = copy.deepcopy((opt.shared_state_dict(), opt.rank_state_dict(), model.state_dict()))  # the live tensors train on
+        train(model, opt, 5, 3)
+        uninterrupted = [p.detach().clone() for p in model.parameters()]
+        same_knobs = resumed(optimizer, knobs, *saved)
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted, same_knobs)), f"{optimizer} does not resume exactly with {knobs}"
+        changed = resumed(optimizer, {**knobs, knob: value}, *saved)
+        moved.append(any(not torch.equal(a, b) for a, b in zip(same_knobs, changed)))
+    return moved
+
+
+@pytest.mark.slow  # two ranks, one process group for every case
+def test_knobs_that_act_between_ranks_take_effect_on_resume():
+    from distributed_harness import run_ranks
+
+    for rank_moved in run_ranks(_resume_with_changed_knobs, 2):
+        unmoved = [f"{o} {k} {v}" for (o, _, k, v), moved in zip(BETWEEN_RANKS, rank_moved) if not moved]
+        assert not unmoved, f"changed on resume without effect: {unmoved}"

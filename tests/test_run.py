@@ -115,7 +115,7 @@ def test_two_emulated_nodes_of_two_ranks_sync_node_aware_and_reshard_to_flat(tmp
     flat = [*knobs, "--set", "comm.topology=flat", "--set", "train.steps=5"]
     resharded = zoa("run", "recipes/gpt2_tiny.yaml", "--nproc", "4", "--out", str(tmp_path / "resharded"), "--resume", end, "--reshard", *flat)
     assert resharded.returncode == 0, resharded.stderr[-3000:]
-    assert "another 1-bit sync topology" in resharded.stderr and [r["step"] for r in metrics(tmp_path / "resharded")] == [5]
+    assert "another 1-bit sync layout" in resharded.stderr and [r["step"] for r in metrics(tmp_path / "resharded")] == [5]
     assert "hierarchical" not in resharded.stdout and metrics(tmp_path / "resharded")[-1]["intra_bytes_sent"] == records[-1]["intra_bytes_sent"]
 
 

@@ -310,6 +310,11 @@ def plan_command(
     if world_size is not None and world_size % gpus_per_node:
         fail(f"--gpus-per-node {gpus_per_node} does not divide --world-size {world_size}.")
     ranks = world_size or (nodes or 64) * gpus_per_node
+    if config.comm.shard == "node" and gpus_per_node == 1:
+        zoa_console.err.print(
+            f"warning: {recipe} shards the model over each node's GPUs (comm.shard node) and --gpus-per-node 1 gives a node one, so the plan "
+            "has no sharded columns; pass --gpus-per-node (e.g. 8) to see them."
+        )
     costs = None
     if step_time:
         c = config.comm

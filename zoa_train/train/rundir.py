@@ -211,6 +211,7 @@ class RunDirectory:
         self.path = Path(path)
         self.checkpoints = self.path / "checkpoints"
         self._lock = None  # the open .lock file while this object holds the run directory
+        self._created = False  # whether taking the lock created the directory
 
     # ---- the lock ------------------------------------------------------------------------------
 
@@ -224,6 +225,7 @@ class RunDirectory:
         a UserError naming the job that holds it. Held until close() or this process ends."""
         if self._lock is not None:
             return
+        created = not self.path.exists()
         make_directory(self.path, "run directory")
         f = open(self.path / LOCK, "a+")
         try:
@@ -239,7 +241,7 @@ class RunDirectory:
         f.truncate()
         f.write(f"{os.getpid()} {socket.gethostname()}\n")
         f.flush()
-        self._lock = f
+        self._lock, self._created = f, created
 
     def _probe_lock(self) -> None:
         """Refuse a directory another job holds, without keeping (or creating) the lock."""
@@ -259,8 +261,11 @@ class RunDirectory:
 
     def close(self) -> None:
         """Release the run directory's lock (idempotent; the lock file stays: removing it would let
-        two jobs lock two different files)."""
+        two jobs lock two different files). A directory this job created and left holding only the lock
+        (a run refused once its ranks had started) is removed, while still locked: no trace of it."""
         if self._lock is not None:
+            if self._created and self.path.is_dir() and all(p.name == LOCK for p in self.path.iterdir()):
+                shutil.rmtree(self.path, ignore_errors=True)
             try:
                 fcntl.flock(self._lock.fileno(), fcntl.LOCK_UN)
             finally:
@@ -338,7 +343,7 @@ class RunDirectory:
         takes the run directory's lock, held until close(): the caller must call close() when the run ends."""
         decision: list = [None, None]  # [checkpoint path or None, error message or None]
         if rank == 0:
-            created, held = not self.path.exists(), self._lock is not None
+            held = self._lock is not None
             try:
                 self._check_arguments(resume, overwrite)
                 self.lock()  # before emptying or trimming anything: two jobs never both get here
@@ -349,9 +354,7 @@ class RunDirectory:
             except UserError as e:
                 decision = [None, str(e)]
                 if self._lock is not None and not held:
-                    if created:  # leave no trace of a refused run (removed while still locked)
-                        shutil.rmtree(self.path, ignore_errors=True)
-                    self.close()
+                    self.close()  # a directory it created is removed: no trace of a refused run
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.broadcast_object_list(decision, src=0)
         if decision[1] is not None:

@@ -29,7 +29,7 @@ import yaml
 
 from zoa_train.comm import ClusterCollective, OneBitAllReduce, TopologyChanged
 from zoa_train.comm.sharding import full_model_state, load_full_model_state, local_shard, node_sharding
-from zoa_train.config import Recipe, check_batch_layout, recipe_from_dict
+from zoa_train.config import CommConfig, Recipe, check_batch_layout, recipe_from_dict
 from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import STOP_SIGNALS, init_process_group, restart_count, threads_per_rank
 from zoa_train.errors import UserError
@@ -159,6 +159,19 @@ def _plain_numpy_state(state: tuple) -> tuple:
 SHARDED_STATE = "optimizer"  # the directory of a sharded checkpoint's optimizer state per parameter
 
 
+def _warn_of_unused_comm_keys(recipe: Recipe) -> None:
+    """Say which comm keys set in the recipe do nothing in a run that makes no 1-bit round (DDP's Adam and
+    PowerSGD, DiLoCo's full-precision outer sync)."""
+    unused = [f"comm.{key}" for key in ("topology", "kernels", "bucket_cap_mb", "overlap") if getattr(recipe.comm, key) != getattr(CommConfig(), key)]
+    if unused:
+        log.warning(
+            "%s %s no effect on this run: optimizer %s sends no 1-bit rounds here (only the 1-bit optimizers' rounds and outer_collective onebit use them)",
+            " and ".join(unused),
+            "has" if len(unused) == 1 else "have",
+            recipe.optimizer.name,
+        )
+
+
 def _layout_refusal(path: Path, changed: list, cause: Exception) -> str:
     """Why a checkpoint's 1-bit layout does not fit this run's, naming the recipe keys that changed it."""
     keys = [c for c in changed if c.key in resume_rules.LAYOUT]
@@ -224,6 +237,8 @@ class Trainer:
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync, sharding=self.sharding)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # this rank's shards when sharded
         self._no_overlap_when_gradients_change(recipe)
+        if self.sharding is None and not sync.chosen and self.is_main:
+            _warn_of_unused_comm_keys(recipe)
         if self.sharding is None and sync.chosen and self.is_main:
             if sync.chosen.startswith("hierarchical"):  # flat on one node is what everyone expects: not said
                 print(sync.chosen, flush=True)
