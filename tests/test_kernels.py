@@ -250,3 +250,78 @@ def test_a_backend_that_cannot_run_is_refused_by_name_and_skipped_by_auto(monkey
     monkeypatch.setitem(native._built, "error", "CalledProcessError: g++ not found")
     monkeypatch.delitem(native._built, "module", raising=False)
     assert select_kernels("auto", "cpu") is backend("torch")
+
+
+# ---- a native build that fails says why, where, and once (issue 49) ---------------------------------
+
+
+def test_the_first_line_naming_an_error_is_what_a_failed_build_says():
+    from zoa_train.comm.kernels.native import first_error
+
+    log = (
+        "Error building extension 'zoa_onebit_x': [1/2] c++ -MMD -MF native.o.d -O3 -c native.cpp -o native.o\n"
+        "FAILED: native.o\nc++ -MMD -MF native.o.d -O3 -c native.cpp -o native.o\n"
+        "In file included from /usr/include/error.h:3,\n"
+        "native.cpp:1:10: fatal error: torch/extension.h: No such file or directory\n"
+        "compilation terminated.\nninja: build stopped: subcommand failed.\n"
+    )
+    assert first_error(log) == "native.cpp:1:10: fatal error: torch/extension.h: No such file or directory"
+    assert (
+        first_error("Ninja is required to load C++ extensions (pip install ninja to get it)")
+        == "Ninja is required to load C++ extensions (pip install ninja to get it)"
+    )
+    assert first_error("FAILED: native.o\nninja: build stopped: subcommand failed.\n") == "ninja: build stopped: subcommand failed."
+
+
+def _kernels_without_a_compiler(rank, world_size):
+    """The backend a 1-bit allreduce gets here (CXX names no compiler) and what the kernels' log said, by level."""
+    import logging
+
+    from zoa_train.comm import OneBitAllReduce
+
+    said = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: said.append((record.levelname, record.getMessage()))
+    logger = logging.getLogger("zoa_train.comm.kernels")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    comm = OneBitAllReduce(5000, kernels="auto")
+    comm.op(torch.ones(5000))
+    return type(comm.kernels).__module__, said
+
+
+@pytest.mark.slow  # 2 ranks, about 10 s
+def test_without_a_compiler_the_torch_path_runs_and_the_first_rank_names_the_compiler_and_the_host(monkeypatch, tmp_path):
+    import socket
+
+    from distributed_harness import run_ranks
+
+    monkeypatch.setenv("CXX", "/nonexistent/g++")  # cpp_extension's compiler; the ranks inherit it
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the build cache the other tests use is left alone
+    ranks = run_ranks(_kernels_without_a_compiler, 2)
+    expected = (
+        "the 1-bit allreduce runs the unfused torch path on cpu instead of the native kernels: they could not be built on host "
+        f"{socket.gethostname()}: the C++ compiler /nonexistent/g++ was not found (install g++, or set CXX to a C++ compiler)"
+    )
+    assert [r[0] for r in ranks] == ["zoa_train.comm.kernels.torch_ops"] * 2
+    assert ranks[0][1] == [("WARNING", expected)]  # said once, by the first rank,
+    assert ranks[1][1] == [("DEBUG", expected)]  # the others only at debug level
+
+
+@pytest.mark.slow  # a Python process with torch, about 3 s
+def test_a_compiler_that_fails_is_named_by_the_first_error_line_of_its_build(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    compiler = tmp_path / "bad-g++"
+    compiler.write_text("#!/bin/sh\necho \"bad-g++: error: unrecognized command-line option '-march=native'\" >&2\nexit 1\n")
+    compiler.chmod(0o755)
+    env = {**os.environ, "CXX": str(compiler), "TORCH_EXTENSIONS_DIR": str(tmp_path / "extensions")}
+    done = subprocess.run([sys.executable, "-m", "zoa_train.comm.kernels.native"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.splitlines()[-1] == (
+        f"the native 1-bit kernels are not used: they could not be built on host {socket.gethostname()}: "
+        "bad-g++: error: unrecognized command-line option '-march=native'; the torch path runs instead"
+    )

@@ -99,3 +99,19 @@ def test_one_onebit_call_per_step_for_all_groups_with_the_results_of_one_call_pe
             assert all(torch.equal(a, b) for a, b in zip(params + momenta + errors, params1 + momenta1 + errors1)), name
             assert sum(calls) > 0 and set(calls) <= {0, 2}, (name, calls)  # one 1-bit call (two passes) or none
             assert calls1 == [2 * c for c in calls], name  # where one call per group makes two
+
+
+@pytest.mark.slow  # starts 2 ranks: about 10 s
+def test_a_successful_bench_ops_prints_no_error_line():
+    """On a machine without CUDA, a CUDA build's profiler logged "ERROR: ... gpuGetDeviceCount failed" in a
+    run that succeeded (issue 49). The smallest run bench ops takes: one element per tensor, one call."""
+    import json
+    import os
+
+    from conftest import zoa
+
+    env = {key: value for key, value in os.environ.items() if key != "KINETO_LOG_LEVEL"}
+    done = zoa("bench", "ops", "--scale", "31254528", "--calls", "1", env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ERROR" not in done.stdout + done.stderr, done.stderr[-3000:]
+    assert json.loads(done.stdout)["ops_per_step"] > 0

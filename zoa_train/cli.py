@@ -490,14 +490,19 @@ def bench_ops(
     scale: Annotated[int, typer.Option(help="Divide every tensor size by this: smaller runs, the same tensor count. [default: 1]", show_default=False)] = 1,
 ) -> None:
     """Ops (kernel launches on an accelerator) and CPU time per 1-bit step of BERT-Large's 398 tensors, counted with torch.profiler."""
-    from zoa_train.bench.comm import bert_large_groups, profile_rank
+    from zoa_train.bench.comm import BENCH_OPS_BYTES_PER_ELEMENT, bert_large_groups, profile_rank
+    from zoa_train.bench.limits import RANK_PROCESS_BYTES, check_count, check_fits, check_local_ranks
     from zoa_train.distributed import launch_local
 
-    if nproc < 2:
-        fail("--nproc must be at least 2: a 1-rank allreduce sends nothing.")
-    if calls < 1 or scale < 1 or block_size < 0:
-        fail("--calls and --scale must be at least 1 and --block-size 0 (the default) or more.")
+    check_local_ranks(nproc)
+    check_count("--calls", calls)
+    largest = max(map(max, bert_large_groups()))
+    check_count("--scale", scale, 1, largest)  # at the largest, every tensor has one element
     groups = [[max(1, size // scale) for size in sizes] for sizes in bert_large_groups()]
+    elements = sum(map(sum, groups))
+    check_count("--block-size", block_size, 0, elements)  # a block holds at most the call's elements
+    need = nproc * (RANK_PROCESS_BYTES + BENCH_OPS_BYTES_PER_ELEMENT * elements)
+    check_fits(f"{nproc:,} ranks of {elements:,} elements (--scale {scale:,})", need, "pass a larger --scale or a smaller --nproc")
     print(dumps_json(launch_local(profile_rank, nproc, groups, calls, block_size or None, per_group, None)[0], indent=2))
 
 
@@ -520,16 +525,15 @@ def bench_comm(
 
     Started by torchrun or srun, it runs as one of their ranks (--nproc is then theirs) and rank 0 prints; bench netsim uses this to put the ranks on emulated network links."""
     from zoa_train.bench.comm import FEEDBACK_CALLS, parse_size, rank_main
+    from zoa_train.bench.limits import check_count, check_local_ranks
     from zoa_train.distributed import cluster_environment, launch_local
 
     try:
         numels = [parse_size(s) for s in sizes.split(",") if s.strip()]
     except ValueError as e:
         fail(f"--sizes: {e}.")
-    if nproc < 2:
-        fail("--nproc must be at least 2: a 1-rank allreduce sends nothing.")
-    if repeats < 1:
-        fail("--repeats must be at least 1.")
+    check_local_ranks(nproc)
+    check_count("--repeats", repeats)
     if backend not in ("", "gloo", "nccl"):
         fail(f"--backend must be gloo or nccl, not {backend!r}.")
     world = int(os.environ["WORLD_SIZE"]) if cluster_environment() is not None else nproc
@@ -588,19 +592,11 @@ def bench_comm(
 BENCH_COMM_BYTES_PER_ELEMENT = 48
 
 
-def available_memory() -> int:
-    """Bytes of memory this machine can give new processes (Linux's MemAvailable: free and reclaimable)."""
-    try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def check_bench_comm_machine(backend: str, local_ranks: int, numel: int) -> None:
     """Refuse a backend or a size this machine cannot give `local_ranks` ranks, before starting any."""
     import torch
 
+    from zoa_train.bench.limits import available_memory
     from zoa_train.optim.plan import format_bytes
 
     gpus = torch.cuda.device_count()
@@ -687,6 +683,7 @@ def bench_netsim(
 
     Reports step time, throughput, bits/param, rounds, bytes sent, time to Adam's final val_loss and speed-ups against Adam, then bench comm over the same links. Needs root and iproute2; removes everything it creates, also on failure or Ctrl-C."""
     from zoa_train.bench.comm import parse_size
+    from zoa_train.bench.limits import check_fits
     from zoa_train.bench.netsim import RankFailed, parse_optimizers, run_netsim
     from zoa_train.config import load_recipe
 
@@ -718,6 +715,8 @@ def bench_netsim(
             fail(f"--comm-sizes: {e}.")
     if not names and not numels:
         fail("--optimizers none and --comm-sizes none leave nothing to run.")
+    # bench comm over the links holds what it holds on one machine (--sizes), on every rank of this one
+    check_fits(f"--comm-sizes {max(numels, default=0):,} elements", BENCH_COMM_BYTES_PER_ELEMENT * max(numels, default=0) * world, "pass smaller --comm-sizes")
     say = zoa_console.err.print
     try:
         result = run_netsim(
@@ -759,16 +758,19 @@ def bench_optim(
     """Optimizer step cost against torch.optim.AdamW(fused), the fastest AdamW, and optimizer state bytes per parameter."""
     import torch
 
-    from zoa_train.bench.optim import format_optimizer_bench, run_optimizer_bench
+    from zoa_train.bench.limits import check_count, check_positive_finite
+    from zoa_train.bench.optim import check_optimizer_bench_memory, format_optimizer_bench, run_optimizer_bench
 
-    if params_millions <= 0 or repeats < 1 or threads < 0:
-        fail("--params-millions must be positive, --repeats at least 1 and --threads >= 0.")
+    check_positive_finite("--params-millions", params_millions)
+    check_count("--repeats", repeats)
+    check_count("--threads", threads, 0, os.cpu_count() or 1)  # 0: all cores
     try:
         where = torch.device(device)
     except RuntimeError:
         fail(f"--device must be cpu, cuda or cuda:N, not {device!r}.")
     if where.type not in ("cpu", "cuda") or (where.type == "cuda" and not torch.cuda.is_available()):
         fail(f"--device {device}: this machine has no such device (CUDA available: {torch.cuda.is_available()}).")
+    check_optimizer_bench_memory(params_millions, where)
     result = run_optimizer_bench(params_millions, repeats, threads or None, device)
     if as_json:
         print(dumps_json(result, default=str))
@@ -784,11 +786,11 @@ def bench_loader(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """The data loader alone vs forward+backward+AdamW on the same micro-batches, one process."""
+    from zoa_train.bench.limits import check_count
     from zoa_train.bench.loader import run_loader_bench
     from zoa_train.config import load_recipe
 
-    if batches < 1:
-        fail("--batches must be at least 1.")
+    check_count("--batches", batches)
     result = run_loader_bench(load_recipe(recipe, set_), batches)
     if as_json:
         print(dumps_json(result))

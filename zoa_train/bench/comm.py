@@ -14,6 +14,7 @@ torch ops (each about one kernel launch on an accelerator) and times one 1-bit s
 398 tensors in its two parameter groups (docs/results.md, "Ops per 1-bit call").
 """
 
+import os
 import statistics
 import time
 
@@ -25,6 +26,9 @@ from zoa_train.comm.topology import node_groups, nodes_by_count
 from zoa_train.distributed import init_process_group, threads_per_rank
 
 FEEDBACK_CALLS = 50
+# What `bench ops` holds per rank and element of the call: the input buffers, the 1-bit call's error
+# buffers and wire segments, the torch path's per-block scratch and a random draw: about 11 bytes, rounded up.
+BENCH_OPS_BYTES_PER_ELEMENT = 16
 
 
 def parse_size(text: str) -> int:
@@ -199,14 +203,27 @@ def bert_large_groups() -> list[list[int]]:
     return [weights, others]
 
 
+def cpu_profile():
+    """torch.profiler over the CPU's ops. A CUDA build's profiler (Kineto) asks the CUDA driver for its
+    devices when it writes a trace, whatever activities it was given, and on a machine without one logs
+    the refusal as an ERROR line in a run that succeeded (and a line at each start and stop); there
+    Kineto's own log is silenced (KINETO_LOG_LEVEL 6, above all its levels, read when the profiler
+    starts; a level the user set is kept). A trace that failed would still fail the count here."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+    return profile(activities=[ProfilerActivity.CPU])
+
+
 def count_ops(fn) -> dict[str, int]:
     """Torch ops that fn() runs directly (not inside other ops), by name, view ops left out: on
     an accelerator each is about one kernel launch. Only namespaced ops count (aten::, c10d::,
     zoa:: for the fused 1-bit passes): with CUDA the profiler also lists runtime calls
     (cudaEventRecord, cudaStreamSynchronize), which are not ops."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
 
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    with cpu_profile() as prof:
         with record_function("counted"):
             fn()
     (counted,) = [e for e in prof.events() if e.name == "counted"]

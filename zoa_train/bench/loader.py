@@ -15,9 +15,15 @@ from zoa_train.tasks import build_task
 
 
 def run_loader_bench(recipe: Recipe, batches: int = 20) -> dict:
+    from zoa_train.bench.limits import check_fits
+    from zoa_train.optim.plan import format_bytes
+
     task = build_task(recipe)
     try:
-        next(task.loader)  # start-up (worker processes, first file reads) is not throughput
+        first = next(task.loader)  # start-up (worker processes, first file reads) is not throughput
+        # the timed micro-batches are kept for the training steps: refused before they are read if they cannot be
+        size = sum(t.numel() * t.element_size() for t in (first.values() if isinstance(first, dict) else first) if torch.is_tensor(t))
+        check_fits(f"--batches {batches:,} micro-batches of {format_bytes(size)} each", batches * size, "pass fewer --batches")
         start = time.perf_counter()
         kept = [next(task.loader) for _ in range(batches)]
         loader_s = (time.perf_counter() - start) / batches

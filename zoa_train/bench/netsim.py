@@ -49,6 +49,10 @@ SUBNET = "10.231.0"  # rank r is SUBNET.(r+1)/24, only ever inside this invocati
 MASTER_PORT = 29500  # free in a fresh namespace; each run adds its index so no run meets the last one's TIME_WAIT
 COMM_REPEATS = 5
 MAX_RANKS = 64  # one /24 and a machine's worth of processes
+# tbf's bucket holds 5 ms of the rate in a 32-bit byte count (tc refuses more than 4 GiB): 1 Tbit/s fits,
+# and is beyond what a veth pair moves anyway.
+MAX_RATE_BITS = 10**12
+MAX_LATENCY_S = 10.0  # each collective waits for it several times: beyond, a step takes minutes
 IFNAMSIZ = 15  # Linux interface names are at most 15 characters
 
 
@@ -443,6 +447,11 @@ def run_netsim(
     topo = topology(ranks // ranks_per_node, ranks_per_node)
     rate_bits, latency_s = tc_rate(bandwidth), parse_latency(latency)
     intra_bits = tc_rate(intra_bandwidth) if intra_bandwidth else 0
+    for option, text, bits in (("--bandwidth", bandwidth, rate_bits), ("--intra-bandwidth", intra_bandwidth, intra_bits)):
+        if bits > MAX_RATE_BITS:
+            raise UserError(f"{option} {text} is more than the 1 Tbit/s an emulated link can be given; pass a lower rate.")
+    if latency_s > MAX_LATENCY_S:
+        raise UserError(f"--latency {latency} is more than the {MAX_LATENCY_S:g} s an emulated link can be given; pass a shorter delay.")
     runs = {}  # label -> (optimizer, overrides); the 1-bit optimizers on several nodes of several ranks: flat and node-aware
     nodes = [f"comm.ranks_per_node={ranks_per_node}"] if ranks_per_node > 1 else []
     for name in optimizers:

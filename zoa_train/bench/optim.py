@@ -79,11 +79,35 @@ def model_shapes(params_millions: float) -> tuple[list[tuple[str, tuple[int, ...
     filling about 3/4 of the target, and the token embedding (tied with the output layer) sized
     so that the total lands on the target. Returns the (name, shape) list and a summary.
     """
+    d, context, layers, vocab = _dimensions(params_millions)
+    shapes = [("tok_emb", (vocab, d)), ("pos_emb", (context, d))]
+    shapes += [(f"blocks.{i}.{name}", shape) for i in range(layers) for name, shape in _block(d)]
+    shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
+    summary = {"d_model": d, "layers": layers, "vocab": vocab, "context": context, "tensors": len(shapes)}
+    return shapes, summary
+
+
+def model_numel(params_millions: float) -> int:
+    """The parameters of `model_shapes(params_millions)`, without listing its tensors (a list that
+    alone would fill the memory of a machine for a size no machine can hold)."""
+    d, context, layers, vocab = _dimensions(params_millions)
+    return vocab * d + context * d + layers * sum(math.prod(shape) for _, shape in _block(d)) + 2 * d
+
+
+def _dimensions(params_millions: float) -> tuple[int, int, int, int]:
+    """(width, context, blocks, vocabulary) of model_shapes."""
     target = int(params_millions * 1e6)
     d, context = 512, 1024
     while d > 64 and 12 * d * d > target / 2:
         d //= 2
-    block = [
+    per_block = sum(math.prod(shape) for _, shape in _block(d))
+    layers = max(1, round(0.75 * target / per_block))
+    vocab = max(256, (target - layers * per_block - context * d - 2 * d) // d)
+    return d, context, layers, vocab
+
+
+def _block(d: int) -> list[tuple[str, tuple[int, ...]]]:
+    return [
         ("ln1.weight", (d,)),
         ("ln1.bias", (d,)),
         ("attn.qkv.weight", (3 * d, d)),
@@ -97,14 +121,6 @@ def model_shapes(params_millions: float) -> tuple[list[tuple[str, tuple[int, ...
         ("mlp.proj.weight", (d, 4 * d)),
         ("mlp.proj.bias", (d,)),
     ]
-    per_block = sum(math.prod(shape) for _, shape in block)
-    layers = max(1, round(0.75 * target / per_block))
-    vocab = max(256, (target - layers * per_block - context * d - 2 * d) // d)
-    shapes = [("tok_emb", (vocab, d)), ("pos_emb", (context, d))]
-    shapes += [(f"blocks.{i}.{name}", shape) for i in range(layers) for name, shape in block]
-    shapes += [("ln_f.weight", (d,)), ("ln_f.bias", (d,))]
-    summary = {"d_model": d, "layers": layers, "vocab": vocab, "context": context, "tensors": len(shapes)}
-    return shapes, summary
 
 
 def onebit_allreduce_bytes(numel: int, world_size: int, device: torch.device | str = "cpu") -> dict[str, int]:
@@ -114,6 +130,29 @@ def onebit_allreduce_bytes(numel: int, world_size: int, device: torch.device | s
 
 
 MEASURED_RANKS = 2
+# What the bench holds per parameter on its device at its peak: the parameters and gradients made once
+# (8 bytes), a copy of the parameters per optimizer (6 x 4), their states (AdamW 8 twice, ZeroOneAdam 16
+# twice, OneBitAdam 12, DataParallelAdam 12) and, while those are held, the measured ranks' (about 30
+# each): about 170 bytes (167 measured at 5M and 20M parameters), rounded up.
+BENCH_OPTIM_BYTES_PER_PARAM = 176
+
+
+def check_optimizer_bench_memory(params_millions: float, device: torch.device) -> None:
+    """Refuse, before anything is allocated, a model the bench cannot hold on `device` (a UserError),
+    or the processes it starts (this one and MEASURED_RANKS ranks) that this machine cannot hold."""
+    from zoa_train.bench.limits import RANK_PROCESS_BYTES, check_fits
+
+    numel = model_numel(params_millions)
+    what, need, processes = (
+        f"{numel:,} parameters (--params-millions {params_millions:g})",
+        BENCH_OPTIM_BYTES_PER_PARAM * numel,
+        (1 + MEASURED_RANKS) * RANK_PROCESS_BYTES,
+    )
+    if device.type == "cuda":
+        room = torch.cuda.get_device_properties(device).total_memory
+        check_fits(what, need, "pass a smaller --params-millions", room, f"on {device}")
+        need = 0
+    check_fits(what, need + processes, "pass a smaller --params-millions")
 
 
 def measure_rank(shapes: list[tuple[str, tuple[int, ...]]], device: str) -> dict | None:
@@ -254,7 +293,7 @@ def profile_zero_one_local_step(params_millions: float = 25.0, steps: int = 5, t
     """torch.profiler over `steps` ZeroOneAdam local steps (set up as in the bench): the `top` ops
     by self CPU time, as {"op", "ms_per_step", "calls_per_step"}. Not part of run_optimizer_bench,
     whose timings it would disturb; it explains where a local step's time goes."""
-    from torch.profiler import ProfilerActivity, profile
+    from zoa_train.bench.comm import cpu_profile
 
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads or os.cpu_count() or 1)
@@ -273,7 +312,7 @@ def profile_zero_one_local_step(params_millions: float = 25.0, steps: int = 5, t
         )
         for _ in range(WARMUP_STEPS):
             opt.step()
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with cpu_profile() as prof:
             for _ in range(steps):
                 opt.step()
     finally:

@@ -30,9 +30,10 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from zoa_train.comm.agreement import check_same_on_every_rank, checked_by_caller
 from zoa_train.comm.collectives import group_size_rank
 from zoa_train.comm.ledger import CommLedger
-from zoa_train.comm.onebit import SCALE_ROW, OneBitLayout, TopologyChanged, _buffer_sizes, collective_device, onebit_layout, relayout
+from zoa_train.comm.onebit import SCALE_ROW, OneBitLayout, TopologyChanged, _buffer_sizes, checked_buffers, collective_device, onebit_layout, relayout
 
 # Four times DDP's 25 MB: a 1-bit bucket sends 32x fewer bytes than an fp32 one for the same messages,
 # so its fixed cost weighs more; `plan` on 16 x 8 GPUs finds 100 MB better than 25 in every row (results.md).
@@ -193,14 +194,16 @@ class BucketedCollective:
         overlap: bool = False,
         scale_row: int = SCALE_ROW,
     ):
-        if not bucket_cap_mb > 0:
+        if not 0 < bucket_cap_mb < float("inf"):
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
         self.group, self.ledger, self.overlap = group, ledger, overlap
         self.world_size, self.rank = group_size_rank(group)
-        self.device = collective_device(device, group)
+        self.device = collective_device(device, group, "BucketedCollective")
         self.scale_row = scale_row
         self.bucket_cap_mb = bucket_cap_mb
         sizes = [[s] if isinstance(s, int) else list(s) for s in _buffer_sizes(sizes)]
+        # Before duplicate_group, which every rank must call: one all-gather for every bucket's collective.
+        check_same_on_every_rank("BucketedCollective", group, sizes, {"bucket_cap_mb": bucket_cap_mb, "overlap": overlap, "scale_row": scale_row})
         self.buckets = plan_buckets(sizes, self.world_size, max(1, int(bucket_cap_mb * 2**20 // 4)), self.scale_row)
         self.layouts: list[GroupLayout] = []
         for g, group_sizes in enumerate(sizes):
@@ -213,14 +216,15 @@ class BucketedCollective:
         self._accumulators = [torch.zeros(layout.padded, device=self.device) for layout in self.layouts]
         comm_group = duplicate_group(group) if overlap and self.world_size > 1 else group
         for bucket in self.buckets:
-            bucket.comm = inner(
-                [bucket.layout.sizes],
-                group=comm_group,
-                device=self.device,
-                ledger=ledger,
-                scale_row=scale_row,
-                accumulator=self._accumulators[bucket.group][bucket.start : bucket.stop],
-            )
+            with checked_by_caller():
+                bucket.comm = inner(
+                    [bucket.layout.sizes],
+                    group=comm_group,
+                    device=self.device,
+                    ledger=ledger,
+                    scale_row=scale_row,
+                    accumulator=self._accumulators[bucket.group][bucket.start : bucket.stop],
+                )
             if bucket.comm.layouts[0].padded != bucket.layout.padded:
                 raise ValueError("a bucket's collective laid it out differently from BucketedCollective")
         self._thread = CommThread(self.device, ledger) if overlap and self.world_size > 1 else None
@@ -266,8 +270,8 @@ class BucketedCollective:
         return self._accumulators
 
     def exchange(self, out, addend=None):
-        outs = self._per_group(out)
-        addends = self._per_group(addend) if addend is not None else [None] * len(outs)
+        outs = self._per_group(out, laid_out=True)
+        addends = self._per_group(addend, laid_out=True) if addend is not None else [None] * len(outs)
         for bucket in self.buckets:
             self.start_exchange(bucket.index, outs[bucket.group], addends[bucket.group])
         self.wait()
@@ -287,11 +291,8 @@ class BucketedCollective:
         self.wait()
         return self.buckets[0].comm.allreduce(tensor, comm_dtype=comm_dtype, elements=elements, in_step=in_step)
 
-    def _per_group(self, tensors) -> list[torch.Tensor]:
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        if len(tensors) != len(self.layouts):
-            raise ValueError(f"this BucketedCollective has {len(self.layouts)} buffers, got {len(tensors)} tensors")
-        return tensors
+    def _per_group(self, tensors, laid_out: bool = False) -> list[torch.Tensor]:
+        return checked_buffers("BucketedCollective", tensors, self.layouts, self.device, laid_out)
 
     def describe_buckets(self) -> list[dict]:
         """The bucketing, as saved: per group, its buckets' tensors (what a resume must match)."""

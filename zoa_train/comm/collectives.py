@@ -22,6 +22,12 @@ def group_size_rank(group=None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def refuse_meta(tensor: torch.Tensor) -> None:
+    """Refuse a tensor on the meta device: it holds no values, and Gloo "averages" it without a word."""
+    if tensor.is_meta:
+        raise ValueError("a full-precision allreduce cannot average a tensor on the meta device, which holds no values; pass a tensor on the CPU or a GPU")
+
+
 def ring_allreduce_bytes(numel: int, element_size: int, world_size: int) -> int:
     """Bytes one rank sends in a ring allreduce (reduce-scatter then all-gather)."""
     return 2 * (world_size - 1) * numel * element_size // world_size
@@ -58,6 +64,7 @@ def allreduce(
     `in_step`: counted in the current optimizer step (False: in the totals only, not in a round).
     Gloo has no AVG reduction, so the sum is divided by the world size locally.
     """
+    refuse_meta(tensor)
     world, _ = group_size_rank(group)
     if world == 1:
         return tensor

@@ -23,9 +23,10 @@ import functools
 import torch
 import torch.distributed as dist
 
+from zoa_train.comm.agreement import check_same_on_every_rank, checked_by_caller
 from zoa_train.comm.buckets import BUCKET_CAP_MB, BucketedCollective
-from zoa_train.comm.collectives import allreduce, default_ledger, group_size_rank, ring_allreduce_bytes
-from zoa_train.comm.kernels import select_kernels
+from zoa_train.comm.collectives import allreduce, default_ledger, group_size_rank, refuse_meta, ring_allreduce_bytes
+from zoa_train.comm.kernels import CHOICES, select_kernels
 from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.onebit import (
     SCALE_ROW,
@@ -39,7 +40,7 @@ from zoa_train.comm.onebit import (
     layout_buffers,
     onebit_layout,
 )
-from zoa_train.comm.topology import NodeGroups, choose, describe, discover_nodes, node_groups
+from zoa_train.comm.topology import TOPOLOGIES, NodeGroups, choose, describe, discover_nodes, node_groups
 from zoa_train.errors import UserError
 
 # torch 2.14 names it all_gather_single and deprecates all_gather_into_tensor; older releases have only that.
@@ -123,9 +124,11 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         if intra_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"intra_dtype must be torch.float32 or torch.bfloat16, got {intra_dtype}")
         self.nodes, self.intra_dtype, self.scale_row = nodes, intra_dtype, scale_row
-        self.device = collective_device(device, group)
+        self.device = collective_device(device, group, "HierarchicalOneBitAllReduce")
         self.ledger = ledger if ledger is not None else default_ledger()
         self.layouts = [onebit_layout(s, self.world_size, scale_row) for s in _buffer_sizes(sizes)]
+        settings = {"nodes": f"{nodes.nodes}x{nodes.ranks_per_node}", "scale_row": scale_row, "intra_dtype": str(intra_dtype).removeprefix("torch.")}
+        check_same_on_every_rank("HierarchicalOneBitAllReduce", group, [l.sizes for l in self.layouts], settings)
         self.numel = sum(l.numel for l in self.layouts)
         n, g = nodes.nodes, nodes.ranks_per_node
         self._shards = [n * l.chunk if l.active else 0 for l in self.layouts]  # elements of each buffer's shard
@@ -148,7 +151,8 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         if n > 1 and active:
             shards = [shard_layout(l, nodes.local_rank, g) for l in active]
             inter = inter or functools.partial(OneBitAllReduce, block_size=block_size, scale_row=scale_row, kernels=kernels)
-            self._inter = inter(None, group=nodes.inter, device=self.device, ledger=self.ledger, layouts=shards)
+            with checked_by_caller():  # the shards follow from what was compared above
+                self._inter = inter(None, group=nodes.inter, device=self.device, ledger=self.ledger, layouts=shards)
 
     @property
     def accumulators(self) -> list[torch.Tensor]:
@@ -182,8 +186,8 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
     def exchange(self, out, addend=None):
         """Average accumulator (+ addend) of every buffer into `out` (buffers in the layouts; their
         padding is zero afterwards), empty the accumulators, and return `out`."""
-        outs = self._per_buffer(out)
-        addends = self._per_buffer(addend) if addend is not None else [None] * len(outs)
+        outs = self._laid_out_buffers(out)
+        addends = self._laid_out_buffers(addend) if addend is not None else [None] * len(outs)
         for acc, a in zip(self._accumulators, addends):
             if a is not None:
                 acc.add_(a)
@@ -211,6 +215,7 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         flat round would send), and an fp32 all-gather inside the node. A node sends 1/G of what a
         flat allreduce sends over its link; every rank ends with the shard owners' values, so all
         agree exactly. The ledger counts the shard on the slow link and the rest as "intra"."""
+        refuse_meta(tensor)
         g, n = self.nodes.ranks_per_node, self.nodes.nodes
         if self.world_size < 2 or g == 1 or n == 1:  # one rank a node, or one node: the flat ring is node-aware already
             return allreduce(tensor, group=self.group, ledger=self.ledger, comm_dtype=comm_dtype, elements=elements, in_step=in_step)
@@ -340,6 +345,17 @@ class ClusterCollective:
         bucket_cap_mb: float = 0.0,
         overlap: bool = False,
     ):
+        # What a recipe's schema checks, checked again for code that builds one itself (a misspelt topology was flat).
+        if topology not in TOPOLOGIES:
+            raise ValueError(f"ClusterCollective: topology must be one of {', '.join(TOPOLOGIES)}, not {topology!r}")
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 0:
+            raise ValueError(f"ClusterCollective: ranks_per_node must be a whole number >= 0 (0: nodes found by hostname), not {ranks_per_node!r}")
+        if intra_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"ClusterCollective: intra_dtype must be torch.float32 or torch.bfloat16, not {intra_dtype}")
+        if kernels not in CHOICES:
+            raise ValueError(f"ClusterCollective: kernels must be one of {', '.join(CHOICES)}, not {kernels!r}")
+        if not 0 <= bucket_cap_mb < float("inf"):
+            raise ValueError(f"ClusterCollective: bucket_cap_mb must be a finite number of MB >= 0 (0: no buckets), not {bucket_cap_mb}")
         self.topology, self.ranks_per_node, self.intra_dtype, self.kernels = topology, ranks_per_node, intra_dtype, kernels
         self.bucket_cap_mb = bucket_cap_mb or (BUCKET_CAP_MB if overlap else 0.0)
         self.overlap = overlap
@@ -351,12 +367,22 @@ class ClusterCollective:
         world, _ = group_size_rank(group)
         if world > 1 and group is not None and world != dist.get_world_size():
             raise ValueError("ClusterCollective finds nodes among all ranks: use it with the world's process group")
+        where = collective_device(device, group, "ClusterCollective")
+        # Before finding the nodes: ranks of other settings would not even make the same process groups.
+        settings = {
+            "topology": self.topology,
+            "ranks_per_node": self.ranks_per_node,
+            "intra_dtype": str(self.intra_dtype).removeprefix("torch."),
+            "bucket_cap_mb": self.bucket_cap_mb,
+            "overlap": self.overlap,
+        }
+        check_same_on_every_rank("ClusterCollective", group, [[s] if isinstance(s, int) else list(s) for s in _buffer_sizes(sizes)], settings)
         nodes = discover_nodes(self.ranks_per_node) if world > 1 else [[0]]
         kind = choose(self.topology, nodes) if world > 1 else "flat"  # one process: nothing is sent either way
         self.fell_back = self.topology == "auto" and kind == "flat" and len({len(n) for n in nodes}) > 1
         self.chosen = f"{kind} 1-bit sync, {describe(nodes)}"
         try:
-            select_kernels(self.kernels, collective_device(device, group))
+            select_kernels(self.kernels, where)
         except ValueError as error:
             raise UserError(f"comm.kernels: {error}.") from None
         if kind == "flat":
@@ -368,7 +394,8 @@ class ClusterCollective:
             if key not in self._groups:
                 self._groups[key] = node_groups(nodes)
             inner = functools.partial(HierarchicalOneBitAllReduce, nodes=self._groups[key], intra_dtype=self.intra_dtype, kernels=self.kernels)
-        if not self.bucket_cap_mb:
-            return inner(sizes, group=group, device=device, ledger=ledger)
-        self.chosen += f", buckets of {self.bucket_cap_mb:g} MB{' overlapped with backward' if self.overlap else ''}"
-        return BucketedCollective(sizes, group, device, ledger, inner=inner, bucket_cap_mb=self.bucket_cap_mb, overlap=self.overlap)
+        with checked_by_caller():  # compared above
+            if not self.bucket_cap_mb:
+                return inner(sizes, group=group, device=device, ledger=ledger)
+            self.chosen += f", buckets of {self.bucket_cap_mb:g} MB{' overlapped with backward' if self.overlap else ''}"
+            return BucketedCollective(sizes, group, device, ledger, inner=inner, bucket_cap_mb=self.bucket_cap_mb, overlap=self.overlap)

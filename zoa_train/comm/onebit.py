@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from zoa_train.comm.agreement import check_same_on_every_rank
 from zoa_train.comm.collectives import allreduce, default_ledger, group_size_rank
 from zoa_train.comm.kernels import PartViews, select_kernels
 from zoa_train.comm.ledger import CommLedger
@@ -180,9 +181,14 @@ def _wire_views(wire: torch.Tensor, column: int, layout: OneBitLayout) -> tuple[
     return part[:, :packed], part[:, packed:].view(torch.float32)
 
 
-def collective_device(device: torch.device | str | None, group) -> torch.device:
+def collective_device(device: torch.device | str | None, group, who: str = "a collective") -> torch.device:
     """Where a collective keeps its buffers: `device`, else the process group's; a CUDA device with its index."""
     device = torch.device(device) if device is not None else _group_device(group)
+    if device.type == "meta":  # its buffers would hold nothing, and Gloo would "average" meta tensors without a word
+        raise ValueError(
+            f"{who} cannot keep its buffers on the meta device, which holds no values; "
+            "build the model on a real device (e.g. module.to_empty(device='cpu'), then initialise it) before the optimizer"
+        )
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device
@@ -196,6 +202,22 @@ def _group_device(group) -> torch.device:
 
 
 ONEBIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what the 1-bit collectives average
+
+
+def checked_buffers(who: str, tensors, layouts, device: torch.device, laid_out: bool = False) -> list[torch.Tensor]:
+    """`tensors` (a tensor or a list) as a list of one tensor per layout, on `device`, of a dtype the
+    1-bit collectives average; with `laid_out` each also a contiguous buffer in its layout."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    if len(tensors) != len(layouts):
+        raise ValueError(f"this {who} has {len(layouts)} buffers, got {len(tensors)} tensors")
+    for t, layout in zip(tensors, layouts):
+        if t.device != device:
+            raise ValueError(f"{who}'s buffers are on {device}, got a tensor on {t.device}")
+        if t.dtype not in ONEBIT_DTYPES:  # the math is fp32: any other dtype would come back wrong
+            raise ValueError(f"{who} averages float32, bfloat16 or float16 tensors, not {t.dtype}")
+        if laid_out and (t.numel() != layout.padded or not t.is_contiguous()):
+            raise ValueError(f"{who}.exchange takes contiguous buffers in its layout ({layout.padded} elements), got a tensor of {t.numel()}")
+    return tensors
 
 
 class LaidOutCollective:
@@ -247,15 +269,11 @@ class LaidOutCollective:
         return [buffer[offset : offset + size] for offset, size in zip(layout.offsets, layout.sizes)]
 
     def _per_buffer(self, tensors) -> list[torch.Tensor]:
-        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-        if len(tensors) != len(self.layouts):
-            raise ValueError(f"this {type(self).__name__} has {len(self.layouts)} buffers, got {len(tensors)} tensors")
-        for t in tensors:
-            if t.device != self.device:
-                raise ValueError(f"{type(self).__name__}'s buffers are on {self.device}, got a tensor on {t.device}")
-            if t.dtype not in ONEBIT_DTYPES:  # the math is fp32: any other dtype would come back wrong
-                raise ValueError(f"{type(self).__name__} averages float32, bfloat16 or float16 tensors, not {t.dtype}")
-        return tensors
+        return checked_buffers(type(self).__name__, tensors, self.layouts, self.device)
+
+    def _laid_out_buffers(self, tensors) -> list[torch.Tensor]:
+        """`tensors` for `exchange`: one buffer in each layout (the kernels write whole rows into them)."""
+        return checked_buffers(type(self).__name__, tensors, self.layouts, self.device, laid_out=True)
 
     def layout_state(self) -> list[dict]:
         """Where each buffer's tensors lie, per buffer: what `relayout` needs to read a buffer saved in
@@ -303,7 +321,7 @@ class OneBitAllReduce(LaidOutCollective):
     ):
         self.group = group
         self.world_size, self.rank = group_size_rank(group)
-        self.device = collective_device(device, group)
+        self.device = collective_device(device, group, "OneBitAllReduce")
         self.ledger = ledger if ledger is not None else default_ledger()
         self.scale_row = scale_row
         if layouts is None:
@@ -311,6 +329,7 @@ class OneBitAllReduce(LaidOutCollective):
         elif any(l.active and l.padded != self.world_size * l.chunk for l in layouts):
             raise ValueError(f"these layouts are not cut into {self.world_size} chunks, one per rank of the group")
         self.layouts = list(layouts)
+        check_same_on_every_rank("OneBitAllReduce", group, [l.sizes for l in self.layouts], {"scale_row": scale_row}, self.layouts)
         self.numel = sum(l.numel for l in self.layouts)
         for name, (size, dtype) in _allocations(self.layouts, self.world_size).items():
             setattr(self, name, torch.zeros(size, dtype=dtype, device=self.device))
@@ -406,8 +425,8 @@ class OneBitAllReduce(LaidOutCollective):
         """Compress accumulator + error (+ addend), run both passes, write the average to `out`
         (each a buffer in the layout, or a list of them, one per buffer; the padding of `out` is
         zero afterwards), and return `out`."""
-        outs = self._per_buffer(out)
-        addends = self._per_buffer(addend) if addend is not None else [None] * len(outs)
+        outs = self._laid_out_buffers(out)
+        addends = self._laid_out_buffers(addend) if addend is not None else [None] * len(outs)
         if self.world_size < 2:  # one rank: the average is the input itself
             for acc, o, a in zip(self._accumulators, outs, addends):
                 torch.add(acc, a, out=o) if a is not None else o.copy_(acc)

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from zoa_train.comm.agreement import check_same_on_every_rank
 from zoa_train.comm.collectives import default_ledger, group_size_rank
 from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.onebit import LaidOutCollective, OneBitLayout, _buffer_sizes, _layout_with_rows, collective_device, onebit_layout
@@ -43,7 +44,7 @@ def topk_layout(sizes: int | Sequence[int], chunk: int = CHUNK) -> OneBitLayout:
     """Tensors of `sizes` in chunks of `chunk` elements that follow them (the 1-bit layout's rows, on
     one rank: nothing depends on the world size); no elements: the tensors back to back, no chunks."""
     sizes = (int(sizes),) if isinstance(sizes, int) else tuple(int(size) for size in sizes)
-    if sum(sizes) <= 0:
+    if sum(sizes) <= 0 or min(sizes) < 0:  # onebit_layout refuses a negative size
         return onebit_layout(sizes, 1)
     return _layout_with_rows(sizes, 1, chunk)
 
@@ -140,11 +141,12 @@ class TopKAllReduce(LaidOutCollective):
             raise ValueError(f"error_decay must be in [0, 1], got {error_decay}")
         self.group = group
         self.world_size, self.rank = group_size_rank(group)
-        self.device = collective_device(device, group)
+        self.device = collective_device(device, group, "TopKAllReduce")
         self.ledger = ledger if ledger is not None else default_ledger()
         self.density, self.error_decay = density, error_decay
         self.scale_row = chunk  # LaidOutCollective's name for the row (chunk) length
         self.layouts = [topk_layout(s, chunk) for s in _buffer_sizes(sizes)]
+        check_same_on_every_rank("TopKAllReduce", group, [l.sizes for l in self.layouts], {"density": density, "chunk": chunk})
         self.numel = sum(l.numel for l in self.layouts)
         self.wire = topk_wire(sizes, density, chunk)
         self._scratch: dict = {}  # LaidOutCollective.op's, for packed tensors
@@ -178,8 +180,8 @@ class TopKAllReduce(LaidOutCollective):
     def exchange(self, out, addend=None):
         """Compress accumulator + addend (the error included), all-gather, write the average to `out`
         (buffers in the layouts; padding zero afterwards) and keep the decayed residual as the error."""
-        outs = self._per_buffer(out)
-        addends = self._per_buffer(addend) if addend is not None else [None] * len(outs)
+        outs = self._laid_out_buffers(out)
+        addends = self._laid_out_buffers(addend) if addend is not None else [None] * len(outs)
         for acc, a in zip(self._accumulators, addends):
             if a is not None:
                 acc.add_(a)  # before `out` is written: `op` passes the same buffers as both

@@ -13,7 +13,7 @@ Backends (`KERNELS`, each a class in its own module with the interface of `OneBi
   triton  one fused Triton kernel per pass on GPUs (Triton ships with torch), no scratch; on CPU
           tensors only under TRITON_INTERPRET=1 (the test suite's way to run them without a GPU)
 `select_kernels("auto", device)` picks triton on CUDA, native on CPU, and torch where those cannot
-run, saying why once in the log. Row padding: a row's first `valid` elements are real, the rest is
+run, saying why once in the log (by the first rank of each host: the others meet the same reason). Row padding: a row's first `valid` elements are real, the rest is
 padding (the layout only pads at the end of a row); padding counts as zero, its sign bit is set (as
 sign(0) = +1), its error stays zero and it is zero in the output.
 """
@@ -21,6 +21,7 @@ sign(0) = +1), its error stays zero and it is zero in the output.
 import contextlib
 import importlib
 import logging
+import os
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
@@ -143,5 +144,16 @@ def select_kernels(choice: str, device: torch.device | str):
             return backend(name)
         if (name, device.type) not in _told:
             _told.add((name, device.type))
-            log.warning("the 1-bit allreduce uses the unfused torch path on %s (%s kernels: %s)", device.type, name, reason)
+            level = logging.WARNING if _local_rank() == 0 else logging.DEBUG
+            log.log(level, "the 1-bit allreduce runs the unfused torch path on %s instead of the %s kernels: %s", device.type, name, reason)
     return backend("torch")
+
+
+def _local_rank() -> int:
+    """This process's place among its host's ranks: LOCAL_RANK where a launcher set it, else the rank in
+    the process group (0 without one)."""
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0

@@ -6,7 +6,8 @@ cached under TORCH_EXTENSIONS_DIR, by default ~/.cache/torch_extensions, and sha
 and run; `make install` builds it ahead). The build targets this machine's processor (-march=native),
 so its name carries a fingerprint of the processor's features: a cache shared by several kinds of
 machine (a home directory on a cluster) holds one build per kind. Where it cannot be built (no
-compiler), the torch path runs and the log says why once.
+compiler), the torch path runs and the log says why, once per host: the compiler that is missing, or
+the first line of the build's log that names an error, and the host.
 
 `python -m zoa_train.comm.kernels.native` builds it and says where it is, or why it could not.
 """
@@ -14,6 +15,10 @@ compiler), the torch path runs and the log says why once.
 import hashlib
 import logging
 import platform
+import re
+import shlex
+import shutil
+import socket
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -37,6 +42,15 @@ def _processor_fingerprint() -> str:
     return hashlib.sha256("\n".join(facts).encode()).hexdigest()[:10]
 
 
+def first_error(log: str) -> str:
+    """The line of a failed build's output that says why: the first with an "error:" (a compiler's, a
+    missing header's, the linker's), else the last. cpp_extension's own first line ("Error building
+    extension ...: [1/2] <the whole command>") and ninja's last ("ninja: build stopped") say neither."""
+    lines = [line.strip() for line in log.splitlines() if line.strip()]
+    said = [line for line in lines if re.search(r"\berror:", line, re.IGNORECASE)]
+    return (said or lines or ["failed"])[0 if said else -1]
+
+
 def build():
     """The compiled module (built or loaded from the cache on the first call); raises where it cannot be built."""
     if "module" not in _built and "error" not in _built:
@@ -44,12 +58,20 @@ def build():
         quiet = logging.getLogger("torch.utils.cpp_extension")
         level = quiet.level
         quiet.setLevel(logging.ERROR)
+        host = socket.gethostname()
         try:
             from torch.utils import cpp_extension
 
-            _built["module"] = cpp_extension.load(f"zoa_onebit_{_processor_fingerprint()}", sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=False)
-        except Exception as error:  # no compiler, no headers, a read-only cache: the torch path runs
-            _built["error"] = f"{type(error).__name__}: {str(error).strip().splitlines()[-1] if str(error).strip() else 'failed'}"
+            compiler = cpp_extension.get_cxx_compiler()  # CXX, else c++
+            if shutil.which(shlex.split(compiler)[0] if compiler.strip() else "c++") is None:
+                _built["error"] = (
+                    f"they could not be built on host {host}: the C++ compiler {compiler} was not found (install g++, or set CXX to a C++ compiler)"
+                )
+            else:
+                name = f"zoa_onebit_{_processor_fingerprint()}"
+                _built["module"] = cpp_extension.load(name, sources=[str(SOURCE)], extra_cflags=FLAGS, verbose=False)
+        except Exception as error:  # no headers, a read-only cache, a compiler that fails: the torch path runs
+            _built["error"] = f"they could not be built on host {host}: {first_error(str(error))}"
         finally:
             quiet.setLevel(level)
     if "error" in _built:
@@ -71,7 +93,7 @@ class Kernels(FusedKernels):
         try:
             build()
         except RuntimeError as error:
-            return f"could not be built ({error})"
+            return str(error)
         return None
 
     def worker(self, part: int, addend: torch.Tensor | None) -> None:
@@ -117,5 +139,5 @@ if __name__ == "__main__":
     try:
         module = build()
     except RuntimeError as error:
-        raise SystemExit(f"the native 1-bit kernels could not be built ({error}); the torch path will run") from None
+        raise SystemExit(f"the native 1-bit kernels are not used: {error}; the torch path runs instead") from None
     print(f"native 1-bit kernels: {module.__file__}")
