@@ -557,3 +557,23 @@ def test_plan_says_a_warning_in_one_line(capsys, monkeypatch):
     assert done.value.code == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning (diloco): ")]
     assert len(lines) == 1 and "2 outer step(s), too few to train" in lines[0]
+
+
+def test_diloco_on_a_run_too_short_for_enough_outer_steps_says_so_rather_than_the_sync_every_it_has():
+    """Fewer steps than the outer steps a run needs: no sync_every gives them, so the advice is more steps."""
+    planned = plan(4, LRSchedule("constant", lr=1e-3), 2, 1000, bandwidth_bytes_per_s=1e9, latency_s=0.0, sync_every=1)["diloco"]
+    assert "4 outer step(s), too few to train" in planned["warning"] and "train at least 8 steps" in planned["warning"]
+    assert "set sync_every to" not in planned["warning"]
+
+
+def test_plan_of_a_sharded_recipe_on_one_gpu_per_node_says_why_there_are_no_sharded_columns(capsys, monkeypatch):
+    from zoa_train import cli
+
+    recipe = str(Path(__file__).resolve().parents[1] / "recipes" / "llama_tiny.yaml")
+    for gpus, warned in (("1", True), ("2", False)):
+        monkeypatch.setattr(sys, "argv", ["zoa-train", "plan", recipe, "--set", "comm.shard=node", "--nodes", "2", "--gpus-per-node", gpus])
+        with pytest.raises(SystemExit) as done:
+            cli.run()
+        assert done.value.code == 0
+        err = capsys.readouterr().err
+        assert ("comm.shard node" in err and "no sharded columns; pass --gpus-per-node" in err) is warned, err

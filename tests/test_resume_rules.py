@@ -134,18 +134,25 @@ def probe(key: str, value, kind):
 
 def change(key: str, base: dict, optimizer: str, step: int = CHECKPOINT):
     """The ResumeChange of `key` to its probe in a run of `optimizer` (None where the recipe refuses the value)."""
+    found = changes_of([key], base, optimizer, step)
+    return found[0] if found else None
+
+
+def changes_of(keys: list[str], base: dict, optimizer: str, step: int = CHECKPOINT) -> list:
+    """The ResumeChanges of `keys`, each to its probe, in a run of `optimizer` ([] where the recipe refuses a value)."""
     flat = resume_rules.flat(base)
-    now = probe(key, flat[key], schema_types()[key])
     data = yaml.safe_load(yaml.safe_dump(base))
-    section, _, name = key.rpartition(".")
-    (data[section] if section else data)[name] = now
-    if key != "optimizer.name":
+    for key in keys:
+        section, _, name = key.rpartition(".")
+        (data[section] if section else data)[name] = probe(key, flat[key], schema_types()[key])
+    if "optimizer.name" not in keys:
         data["optimizer"]["name"] = optimizer
     try:
         recipe = recipe_from_dict(data)
     except UserError:
-        return None
-    return next(c for c in resume_rules.changes(base, recipe, step) if c.key == key)
+        return []
+    found = {c.key: c for c in resume_rules.changes(base, recipe, step)}
+    return [found[key] for key in keys]
 
 
 def base_recipe() -> dict:
@@ -234,8 +241,8 @@ def train(capsys, run_dir: Path, cache_dir: Path, *settings: str, resume: str | 
 def final(run_dir: Path) -> dict:
     records = [yaml.safe_load(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     model = torch.load(run_dir / "checkpoints" / "step_00000005" / "model.pt", weights_only=True)
-    losses = [(r["step"], r["loss"]) for r in records]
-    return {"val_loss": records[-1]["val_loss"], "loss": records[-1]["loss"], "model": model, "losses": losses, "steps": len(losses)}
+    losses = [(r["step"], r["loss"]) for r in records if "loss" in r]  # a record may hold validation alone (train.val_every)
+    return {"val_loss": records[-1]["val_loss"], "loss": losses[-1][1], "model": model, "losses": losses, "steps": len(losses)}
 
 
 @pytest.fixture(scope="module")
@@ -258,11 +265,12 @@ def base_runs(tmp_path_factory, cache_dir, one_rank_env):
 
 
 def end_to_end_cases() -> list:
-    """(optimizer of the run, key) for each key that a base run takes on a resume (those its rule refuses
+    """(optimizer of the run, keys) for the keys that a base run takes on a resume (those its rule refuses
     are refused before anything loads: the test above holds their sentences, tests/test_bad_input.py the
-    directory left as it was): the run's own knobs in its own run, every other key in 0/1 Adam's."""
+    directory left as it was): the run's own knobs in its own run, every other key in 0/1 Adam's; each
+    key that moves the training alone, those that leave it alone all at once in each run."""
     base = config.load_recipe(RECIPE, BASE).to_dict()
-    cases = []
+    cases, alone = [], {}
     for key in schema_types():
         section, _, name = key.partition(".")
         own = section == "optimizer" and not registry.uses_knob("zero_one_adam", name)
@@ -274,8 +282,11 @@ def end_to_end_cases() -> list:
                 resume_rules.judge(Path("ckpt"), [found])
             except UserError:
                 continue
-            cases.append(pytest.param(optimizer, key, id=f"{key}-{optimizer}" if own else key))
-    return cases
+            if LEAVES_TRAINING.get(key) in ("none", "between ranks"):
+                alone.setdefault(optimizer, []).append(key)
+            else:
+                cases.append(pytest.param(optimizer, (key,), id=f"{key}-{optimizer}" if own else key))
+    return cases + [pytest.param(o, tuple(keys), id=f"leaving-the-training-alone-{o}") for o, keys in alone.items()]
 
 
 def same(a, b) -> bool:
@@ -283,39 +294,39 @@ def same(a, b) -> bool:
 
 
 @pytest.mark.slow  # a resumed run of three steps per key (about 1.5 s each, in this process)
-@pytest.mark.parametrize("optimizer, key", end_to_end_cases())
-def test_a_changed_key_is_refused_or_moves_the_training_as_it_says(base_runs, tmp_path, cache_dir, capsys, optimizer, key):
+@pytest.mark.parametrize("optimizer, keys", end_to_end_cases())
+def test_a_changed_key_is_refused_or_moves_the_training_as_it_says(base_runs, tmp_path, cache_dir, capsys, optimizer, keys):
     base_dir, before = base_runs[optimizer]
-    recipe = yaml.safe_load((base_dir / "recipe.yaml").read_text())
-    found = change(key, recipe, optimizer)
+    found = changes_of(list(keys), yaml.safe_load((base_dir / "recipe.yaml").read_text()), optimizer)
     run_dir = tmp_path / "run"
     shutil.copytree(base_dir, run_dir)
     shutil.rmtree(run_dir / "checkpoints" / "step_00000004")
     shutil.rmtree(run_dir / "checkpoints" / "step_00000005")
-    value = yaml.safe_dump(found.now, default_flow_style=True).strip().removesuffix("...").strip()
-    done = train(capsys, run_dir, cache_dir, f"optimizer.name={optimizer}", f"{key}={value}", resume=str(run_dir / "checkpoints" / "step_00000002"))
-    if done.returncode == 2:  # refused: by its rule, or (a key of the 1-bit layout) by the layout it gives
-        assert key in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+    settings = [f"{c.key}={yaml.safe_dump(c.now, default_flow_style=True).strip().removesuffix('...').strip()}" for c in found]
+    done = train(capsys, run_dir, cache_dir, f"optimizer.name={optimizer}", *settings, resume=str(run_dir / "checkpoints" / "step_00000002"))
+    if done.returncode == 2 and len(keys) == 1:  # refused: a key of the 1-bit layout, by the layout it gives
+        assert keys[0] in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
         assert not (run_dir / "checkpoints" / "step_00000005").exists()
         return
     assert done.returncode == 0, done.stderr[-3000:]
-    assert f"resuming with {key} {resume_rules.show(found.now)}, was {resume_rules.show(found.was)} (from step 3" in done.stdout
-    assert resume_rules.flat(yaml.safe_load((run_dir / "recipe.yaml").read_text()))[key] == found.now
-    assert yaml.safe_load((run_dir / resume_rules.CHANGES).read_text()) == [found.record()]
-    effect = LEAVES_TRAINING.get(key, "trains")
+    for c in found:
+        assert f"resuming with {c.key} {resume_rules.show(c.now)}, was {resume_rules.show(c.was)} (from step 3" in done.stdout
+        assert resume_rules.flat(yaml.safe_load((run_dir / "recipe.yaml").read_text()))[c.key] == c.now
+    assert yaml.safe_load((run_dir / resume_rules.CHANGES).read_text()) == [c.record() for c in found]
+    effect = "none" if len(keys) > 1 else LEAVES_TRAINING.get(keys[0], "trains")
     if effect == "longer":
         losses = [(r["step"], r["loss"]) for r in map(yaml.safe_load, (run_dir / "metrics.jsonl").read_text().splitlines())]
-        assert losses[: before["steps"]] == before["losses"] and losses[-1][0] == found.now
+        assert losses[: before["steps"]] == before["losses"] and losses[-1][0] == found[0].now
         return
     after = final(run_dir)
     if effect == "trains":
-        assert after["val_loss"] != before["val_loss"] and not same(after["model"], before["model"]), f"{key} {found.now} did not change the training"
+        assert after["val_loss"] != before["val_loss"] and not same(after["model"], before["model"]), f"{keys} {found[0].now} did not change the training"
     elif effect == "close":
         assert after["loss"] == pytest.approx(before["loss"], rel=1e-5)
         assert all(torch.allclose(after["model"][k], before["model"][k], atol=1e-5) for k in before["model"])
-    else:  # none, validates, between ranks
-        assert same(after["model"], before["model"]), f"{key} {found.now} changed the model"
-        assert (after["val_loss"] != before["val_loss"]) == (effect == "validates"), (key, after["val_loss"], before["val_loss"])
+    else:  # none, validates (and on one rank, what acts between ranks)
+        assert same(after["model"], before["model"]), f"{keys} changed the model"
+        assert (after["val_loss"] != before["val_loss"]) == (effect == "validates"), (keys, after["val_loss"], before["val_loss"])
 
 
 # Knobs that act only between ranks, each changed on a resume of two ranks in one process group: a run
@@ -376,3 +387,34 @@ def test_knobs_that_act_between_ranks_take_effect_on_resume():
     for rank_moved in run_ranks(_resume_with_changed_knobs, 2):
         unmoved = [f"{o} {k} {v}" for (o, _, k, v), moved in zip(BETWEEN_RANKS, rank_moved) if not moved]
         assert not unmoved, f"changed on resume without effect: {unmoved}"
+
+
+def test_a_reshard_says_what_each_optimizer_keeps_and_what_starts_at_zero():
+    from zoa_train.optim import OneBitAdam, ZeroOneAdam
+    from zoa_train.optim.diloco import DiLoCo
+
+    def said(cls, **kwargs) -> str:
+        return cls([torch.nn.Parameter(torch.ones(4, 4))], **kwargs).resharded_state()
+
+    assert said(ZeroOneAdam) == "parameters, momentum, variance, anchor carry over; the 1-bit error buffers start at zero"
+    assert said(OneBitAdam) == "parameters, momentum, variance carry over; the 1-bit error buffers start at zero"
+    assert said(DiLoCo) == "parameters, anchor, outer momentum carry over; inner momentum and inner variance start at zero"
+
+
+@pytest.mark.parametrize(
+    "optimizer, words",
+    [
+        ("diloco", "between two of DiLoCo's outer steps"),
+        ("zero_one_adam", "inside a 0/1 Adam local-step period"),
+        (None, "while the ranks' parameters differed"),
+    ],
+)
+def test_a_reshard_inside_a_period_names_the_run_s_own_optimizer(tmp_path, optimizer, words):
+    from zoa_train.train.rundir import check_resumable
+
+    checkpoint = tmp_path / "step_00000004"
+    checkpoint.mkdir()
+    (checkpoint / "COMPLETE").write_text("step 4\nworld_size 2\nsynced 0\n")
+    torch.save({"recipe": {"optimizer": {"name": optimizer}}} if optimizer else {"step": 4}, checkpoint / "trainer.pt")
+    with pytest.raises(UserError, match=f"it was taken {words}"):
+        check_resumable(checkpoint, 1, reshard=True)
