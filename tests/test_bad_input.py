@@ -92,6 +92,23 @@ def checkpoint_of_four_ranks(tmp, cache, run):
     return [RECIPE, "--resume", "auto"]
 
 
+def init_from(make: str):
+    """gpt2_tiny from a pretrained model that tests/test_pretrained.py's `make` writes (a real tiny transformers model)."""
+
+    def args(tmp, cache, run):
+        import test_pretrained  # torch and transformers: only for the cases that need them
+
+        return [RECIPE, *sets(f"model.init_from={getattr(test_pretrained, make)(tmp / 'pretrained')}")]
+
+    return args
+
+
+def gpt2_tiny_run(tmp, recipe_n_layer: int = 2):
+    import test_export  # torch and transformers: only for the cases that need them
+
+    return test_export.gpt2_tiny_run(tmp, recipe_n_layer)
+
+
 # name: (arguments(tmp_path, cache_dir, run_dir) -> zoa run arguments, expected text in the sentence,
 #        whether ranks start first: they prepare the run directory (new and empty here) before reading data)
 CASES = {
@@ -165,6 +182,11 @@ CASES = {
     ),
     "top-k density of zero": (recipe_with("optimizer.topk_density=0"), "optimizer.topk_density must be in (0, 1], not 0.0", False),
     "top-k error decay above 1": (recipe_with("optimizer.topk_error_decay=1.5"), "optimizer.topk_error_decay must be in [0, 1], not 1.5", False),
+    # issue 49: a model is what the recipe names; a local directory that is not there is named missing
+    "init_from a model of another family": (init_from("qwen2"), "holds a model of type qwen2 and model.kind gpt2 takes type gpt2", False),
+    "init_from a model of another shape": (init_from("gpt2"), "holds a model of n_embd 64, not n_embd 128 as the recipe states", False),
+    "init_from a directory that does not exist": (recipe_with("model.init_from=./my-model"), "model.init_from ./my-model does not exist", False),
+    "data.tokenizer a directory that does not exist": (recipe_with("data.tokenizer=./tok"), "data.tokenizer ./tok does not exist", False),
     # Unsupported combinations (issue 12, item 8): there is no key for splitting the model; asking for it names the reason.
     "ZeRO stage": (recipe_with("train.zero_stage=2"), "unknown key train.zero_stage; zoa-train is data-parallel only", False),
     "FSDP": (recipe_with("train.fsdp=true"), "unknown key train.fsdp; zoa-train is data-parallel only", False),
@@ -266,9 +288,53 @@ COMMAND_CASES = {
         "cannot write --json …/file/glue.json: …/file is not a directory",
     ),
     "export into a file": (lambda tmp: ["export", str(tmp), str(a_file_in_the_way(tmp) / "hf")], "cannot create output directory"),
+    # issue 49: what differs, and the evaluations that fit
+    "export of a checkpoint its recipe no longer describes": (
+        lambda tmp: ["export", str(gpt2_tiny_run(tmp, recipe_n_layer=3)), str(tmp / "hf")],
+        "does not fit the model that",
+    ),
+    "eval imagenet of a language run": (
+        lambda tmp: ["eval", "imagenet", "--checkpoint", str(gpt2_tiny_run(tmp)), "--data", str(tmp)],
+        "trains a GPT-2 model (a causal LM) and eval imagenet evaluates image classifiers",
+    ),
     "DeepSpeed config with a key twice": (
         deepspeed_config_with('{"optimizer": {"type": "Adam"}, "optimizer": {"type": "OneBitAdam"}}'),
         "ds.json gives the key optimizer twice in one object; keep one",
+    ),
+    # issue 49: every number of every bench command bounded, and checked against the memory before anything is allocated
+    "bench optim of NaN parameters": (
+        lambda tmp: ["bench", "optim", "--params-millions", "nan"],
+        "--params-millions must be a positive finite number, not nan",
+    ),
+    "bench optim of infinite parameters": (
+        lambda tmp: ["bench", "optim", "--params-millions", "inf"],
+        "--params-millions must be a positive finite number, not inf",
+    ),
+    "bench optim of more memory than there is": (
+        lambda tmp: ["bench", "optim", "--params-millions", "1e6"],
+        "1,000,000,000,000 parameters (--params-millions 1e+06) need about",
+    ),
+    "bench optim repeated beyond bounds": (lambda tmp: ["bench", "optim", "--repeats", "100000"], "--repeats must be from 1 to 10,000, not 100,000"),
+    "bench optim on more threads than cores": (lambda tmp: ["bench", "optim", "--threads", "100000"], "--threads must be from 0 to"),
+    "bench ops of more ranks than memory": (lambda tmp: ["bench", "ops", "--nproc", "100000"], "--nproc 100,000 ranks need about"),
+    "bench ops of too many calls": (lambda tmp: ["bench", "ops", "--calls", "100000"], "--calls must be from 1 to 10,000, not 100,000"),
+    "bench ops of a scale beyond the largest tensor": (
+        lambda tmp: ["bench", "ops", "--scale", "1000000000000"],
+        "--scale must be from 1 to 31,254,528, not 1,000,000,000,000",
+    ),
+    "bench comm repeated beyond bounds": (lambda tmp: ["bench", "comm", "--repeats", "100000"], "--repeats must be from 1 to 10,000, not 100,000"),
+    "bench loader of too many batches": (lambda tmp: ["bench", "loader", RECIPE, "--batches", "100000"], "--batches must be from 1 to 10,000, not 100,000"),
+    "bench netsim of more memory than there is": (
+        lambda tmp: ["bench", "netsim", "--comm-sizes", "1024G"],
+        "--comm-sizes 1,099,511,627,776 elements need about",
+    ),
+    "bench netsim over a link faster than tc can shape": (
+        lambda tmp: ["bench", "netsim", "--bandwidth", "100Tbit"],
+        "--bandwidth 100Tbit is more than the 1 Tbit/s an emulated link can be given",
+    ),
+    "bench netsim of a latency above 10 s": (
+        lambda tmp: ["bench", "netsim", "--latency", "100s"],
+        "--latency 100s is more than the 10 s an emulated link can be given",
     ),
 }
 
@@ -354,6 +420,24 @@ def pickled_rank_file(run_dir: Path) -> None:
     marker.write_text("\n".join(lines) + "\n")
 
 
+def recipe_unrecorded(run_dir: Path) -> None:
+    """The run as an older zoa-train wrote it: no recipe in trainer.pt (nor, here, a recipe.yaml beside it)."""
+    import hashlib
+
+    import torch
+
+    checkpoint = run_dir / "checkpoints" / "step_00000001"
+    trainer = torch.load(checkpoint / "trainer.pt", weights_only=True)
+    del trainer["recipe"], trainer["recipe_changes"]
+    torch.save(trainer, checkpoint / "trainer.pt")
+    data = (checkpoint / "trainer.pt").read_bytes()
+    marker = checkpoint / "COMPLETE"
+    lines = [f"file trainer.pt {len(data)} {hashlib.sha256(data).hexdigest()}" if line.startswith("file trainer.pt ") else line
+             for line in marker.read_text().splitlines()]  # fmt: skip
+    marker.write_text("\n".join(lines) + "\n")
+    (run_dir / "recipe.yaml").unlink()
+
+
 def damaged_model_file(run_dir: Path) -> None:
     model = run_dir / "checkpoints" / "step_00000001" / "model.pt"
     data = bytearray(model.read_bytes())
@@ -363,9 +447,11 @@ def damaged_model_file(run_dir: Path) -> None:
 
 # name: (how the run directory is spoiled first, or None; what the resume sets; the sentence's words)
 RESUME_REFUSALS = {
-    "another model": (None, ["model.n_layer=3"], "holds another model (12 tensors missing"),
-    "another optimizer": (None, ["optimizer.name=onebit_adam"], "this optimizer state is not a OneBitAdam state"),
-    "another task": (None, ["model.kind=bert"], "holds another model"),
+    "another model": (None, ["model.n_layer=3"], "with model.n_layer 3: the checkpoint was trained with 2"),
+    "another optimizer": (None, ["optimizer.name=onebit_adam"], "with optimizer.name onebit_adam: the checkpoint was trained with zero_one_adam"),
+    "another task": (None, ["model.kind=bert"], "with model.kind bert: the checkpoint was trained with gpt2"),
+    "another seed": (None, ["train.seed=1"], "with train.seed 1: the checkpoint was trained with 0"),
+    "a checkpoint without its recipe": (recipe_unrecorded, ["model.n_layer=3"], "holds another model (12 tensors missing"),
     "a damaged checkpoint": (damaged_model_file, [], "model.pt does not match the SHA-256 checksum recorded when it was written"),
     "a pickled object": (pickled_rank_file, [], "rank_00000.pt holds a pickled"),
 }
@@ -591,4 +677,23 @@ def test_run_warns_of_a_setting_too_few_outer_steps_train(one_rank, tmp_path, ca
     assert done.returncode == 0, done.stderr
     said = [r.getMessage() for r in caplog.records if "outer step(s), too few to train" in r.getMessage()]
     assert said == ["optimizer.sync_every (500) leaves this run of 2 steps 0 outer step(s), too few to train (2 ended 8% above Adam on gpt2_tiny; "
-                    "bert_tiny reached Adam's loss with 9, docs/results.md): set sync_every to 1 or less."]  # fmt: skip
+                    "bert_tiny reached Adam's loss with 9, docs/results.md): train at least 8 steps (one outer step each at sync_every 1)."]  # fmt: skip
+
+
+@pytest.mark.slow  # one_rank_run trains first
+def test_a_resume_refused_by_the_ranks_into_a_new_directory_leaves_no_directory(one_rank_run, tmp_path, cache_dir, capsys, one_rank):
+    """The ranks create and lock --out before they read the checkpoint: refused there, nothing is left (not even .lock)."""
+    checkpoint = one_rank_run / "checkpoints" / "step_00000001"
+    done = zoa_here(capsys, "run", RECIPE, "--out", str(tmp_path / "new"), "--resume", str(checkpoint), *quick(cache_dir, "train.steps=3", "train.seed=1"))
+    refused(done, "with train.seed 1", alone=False)
+    assert not (tmp_path / "new").exists()
+
+
+@pytest.mark.slow  # a 2-step run
+def test_run_says_which_comm_keys_do_nothing_without_1bit_rounds(one_rank, tmp_path, cache_dir, capsys, caplog):
+    done = zoa_here(capsys, "run", RECIPE, "--out", str(tmp_path / "run"), *quick(cache_dir, "optimizer.name=adam", "comm.kernels=torch", "comm.overlap=true"))
+    assert done.returncode == 0, done.stderr
+    said = [r.getMessage() for r in caplog.records if "no effect on this run" in r.getMessage()]
+    assert said == [
+        "comm.kernels and comm.overlap have no effect on this run: optimizer adam sends no 1-bit rounds here (only the 1-bit optimizers' rounds and outer_collective onebit use them)"
+    ]

@@ -229,3 +229,13 @@ def test_exchange_refuses_buffers_not_in_its_layout(comm):
         assert str(refused.value).startswith(f"{name}.exchange takes contiguous buffers in its layout")
     out = comm.exchange(torch.zeros(padded), addend=torch.ones(padded))  # the right size still works: one rank, the input itself
     assert torch.equal(out, torch.ones(padded))
+
+
+@pytest.mark.parametrize("name", ["ZeroOneAdam", "OneBitAdam", "DataParallelAdam"])
+def test_an_optimizer_over_meta_parameters_is_refused_in_one_sentence(name):
+    """Before its collective or its check of the ranks' models (which would compare meta tensors) runs."""
+    from zoa_train import optim
+
+    parameter = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+    with pytest.raises(ValueError, match=rf"^{name}: parameters on the meta device hold no values; build the model on a real device"):
+        getattr(optim, name)([parameter])

@@ -438,7 +438,13 @@ class DataParallelOptimizer(torch.optim.Optimizer):
 
     def _check_same_model(self) -> None:
         """Refuse ranks whose parameter groups differ (another model, another grouping): a fingerprint of
-        the shapes, one small all_gather at set-up (not a training step: not in the ledger)."""
+        the shapes, one small all_gather at set-up (not a training step: not in the ledger). Parameters on
+        the meta device are refused first: they hold no values to train or compare."""
+        if any(p.is_meta for group in self.param_groups for p in group["params"]):
+            raise ValueError(
+                f"{type(self).__name__}: parameters on the meta device hold no values; build the model on a real device "
+                "(e.g. module.to_empty(device='cpu'), then initialise it) before the optimizer"
+            )
         if self.world_size == 1:
             return
         locals_ = [[local_shard(p) for p in group["params"]] for group in self.param_groups]  # a shard's shape when sharded
