@@ -1,7 +1,9 @@
 """The run directory: one object owns its layout, its preparation in every launch mode, and its checkpoints.
 
 Layout (rank 0 writes everything except each rank's own checkpoint file):
-  recipe.yaml            the resolved recipe
+  recipe.yaml            the resolved recipe (what the run trains with now)
+  recipe_changes.yaml    the keys changed on resumes, each with the step it took effect at (train/resume_rules.py)
+  model_config/          the model's Hugging Face config, for a model from model.init_from or model.hf_config
   metrics.jsonl          one JSON record per log step (zoa_train/runs.py reads it)
   tensorboard/, wandb/   when enabled
   tokenizer/ or classes.json   what the task needs beside the model (the task writes it)
