@@ -79,6 +79,8 @@ LEAVES_TRAINING = {
             "train.val_every",
             "train.checkpoint_every",
             "train.keep_checkpoints",
+            "train.activation_checkpointing",  # the same arithmetic, recomputed in backward
+            "train.peak_tflops",
             "comm.topology",
             "comm.ranks_per_node",
             "comm.kernels",
@@ -95,6 +97,7 @@ LEAVES_TRAINING = {
     # validation batches are micro-batches too: another validation loss)
     "train.micro_batch_size": "close",
     "train.steps": "longer",  # the same steps, and more of them
+    "train.compile": "close",  # the same arithmetic, fused by the compiler
     # what acts only between ranks leaves a one-rank run alone: test_knobs_that_act_between_ranks_take_effect_on_resume
     **dict.fromkeys(
         [

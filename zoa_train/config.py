@@ -134,6 +134,14 @@ class TrainConfig:
     val_batches: int = 8
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
+    # Recompute each block's activations in backward instead of keeping them (torch's non-reentrant
+    # checkpoint, per block of the model registry's ModelSpec.blocks): none, full (every block) or
+    # selective (every other block: about half the saving for a quarter of the recompute).
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    compile: bool = False  # torch.compile each block's forward (not the optimizer, not the communication hooks)
+    # The device's peak dense TFLOPS at train.precision, for MFU; null: from zoa-train's table of known
+    # devices (an unknown device logs no MFU, and says so once).
+    peak_tflops: float | None = None
 
 
 @dataclass
@@ -350,6 +358,7 @@ CHECKS: dict[str, checks.Check] = {
     "train.val_every": checks.non_negative,
     "train.checkpoint_every": checks.non_negative,
     "train.seed": checks.non_negative,
+    "train.peak_tflops": checks.positive_or_null,
     "data.seq_len": checks.positive,
     "data.vocab_size": checks.positive,
     "data.crop_size": checks.positive,

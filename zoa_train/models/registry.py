@@ -20,6 +20,7 @@ import torch
 
 from zoa_train import checks, pretrained
 from zoa_train.checks import Check
+from zoa_train.comm.sharding import units
 from zoa_train.errors import UserError
 from zoa_train.models import builders
 from zoa_train.models.builders import ModelInputs
@@ -74,6 +75,10 @@ class ModelSpec:
     # shape knob -> the attribute of the family's Hugging Face config that holds it: with init_from, what
     # the model section states of the shape (its preset, its keys) must be what the pretrained model has
     hf_shape: Mapping[str, str] = field(default_factory=dict)
+    # the model -> its repeated blocks, in order: what train.activation_checkpointing recomputes and
+    # train.compile compiles one by one (and comm.shard node shards one by one). The default: every
+    # block of every outermost nn.ModuleList (a transformer's layers).
+    blocks: Callable[[torch.nn.Module], list[torch.nn.Module]] = units
 
     def shape(self, cfg) -> dict:
         """The preset `cfg.size` names with cfg's set values over it ("custom": cfg's alone, each of
@@ -327,8 +332,23 @@ def resnet_rules(cfg, shape: dict) -> None:
         raise UserError(f"model.init_from {cfg.init_from} {problem}; {cfg.kind} takes a state-dict file (a zoa-train model.pt or torchvision weights).")
 
 
+def _resnet_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """A torchvision ResNet's residual blocks (its stages are nn.Sequentials, not ModuleLists)."""
+    return [block for stage in (model.layer1, model.layer2, model.layer3, model.layer4) for block in stage]
+
+
 for _depth in (18, 34, 50):
-    register(ModelSpec(f"resnet{_depth}", f"ResNet-{_depth}", "image_classification", builders.build_resnet, check=resnet_rules, evaluations=("imagenet",)))
+    register(
+        ModelSpec(
+            f"resnet{_depth}",
+            f"ResNet-{_depth}",
+            "image_classification",
+            builders.build_resnet,
+            check=resnet_rules,
+            evaluations=("imagenet",),
+            blocks=_resnet_blocks,
+        )
+    )
 
 
 @dataclass

@@ -78,8 +78,10 @@ class LanguageTask(Task):
     def blocks(self, tokens):
         raise NotImplementedError
 
+    forward_options: dict = {}  # keyword arguments of every forward the task runs
+
     def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        return model(**batch).loss
+        return model(**batch, **self.forward_options).loss
 
     def validation_batches(self, max_batches: int | None):
         from zoa_train.data import validation_batches
@@ -89,7 +91,7 @@ class LanguageTask(Task):
 
     def metric_sums(self, model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         # Every rank runs the same number of equal batches: the mean of batch means is the mean.
-        return {"val_loss": model(**batch).loss.float(), "count": torch.ones((), device=batch["input_ids"].device)}
+        return {"val_loss": model(**batch, **self.forward_options).loss.float(), "count": torch.ones((), device=batch["input_ids"].device)}
 
     def save_artifacts(self, run_dir: Path) -> None:
         self.tokenizer.save_pretrained(str(run_dir / "tokenizer"))
@@ -99,6 +101,9 @@ class LanguageTask(Task):
 
 class CausalLM(LanguageTask):
     name = "causal_lm"
+    # Training needs no key/value cache; a block recomputed under train.activation_checkpointing would
+    # otherwise append to it twice.
+    forward_options = {"use_cache": False}
 
     @classmethod
     def auto_class(cls, architecture: str | None) -> str:

@@ -33,6 +33,8 @@ from zoa_train.config import CommConfig, Recipe, check_batch_layout, recipe_from
 from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import STOP_SIGNALS, init_process_group, restart_count, threads_per_rank
 from zoa_train.errors import UserError
+from zoa_train.models import registry as models
+from zoa_train.models.blocks import check_compiler, prepare_blocks
 from zoa_train.optim import registry
 from zoa_train.precision import autocast
 from zoa_train.tasks import build_task
@@ -219,6 +221,10 @@ class Trainer:
         self.batches = DevicePrefetcher(self.task.loader, self.task.to_device, self.device)
         torch.manual_seed(t.seed)  # the same initial model on every rank
         self.model = self.task.build_model().to(self.device)
+        if t.compile:
+            check_compiler(self.device)
+        # per block, before sharding (FSDP2's hooks go around the recomputed, compiled blocks)
+        prepare_blocks(self.model, models.get(recipe.model.kind).blocks(self.model), t.activation_checkpointing, t.compile)
         # From here on each rank draws its own dropout masks (the same masks on every rank would
         # correlate the ranks' gradients); the RNG states are in the checkpoint, so resume is exact.
         torch.manual_seed(rank_seed(t.seed, self.rank))
