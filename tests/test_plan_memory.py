@@ -222,14 +222,16 @@ def test_the_cli_shows_memory_per_rank_and_what_fits(capsys):
     done = zoa_here(capsys, "plan", "recipes/gpt2_tiny.yaml", "--nodes", "2", "--gpus-per-node", "2", "--gpu-memory", "80GB")
     assert done.returncode == 0, done.stderr
     text = " ".join(done.stdout.split())
-    for words in ("optimizer state / rank", "comm scratch / rank", "memory / rank", "fits in 80.00 GB", "0/1 Adam (sharded)", "activations not modelled"):
+    for words in ("optimizer state / rank", "comm scratch / rank", "memory / rank", "fits in 80.00 GB", "0/1 Adam (sharded)", "activations (full)"):
         assert words in text, words
-    assert "FSDP2 unit unsharded" in text and "largest unit the root" in text
+    assert "FSDP2 unit unsharded" in text and "largest unit the root" in text and "fits with checkpointing" in text
     done = zoa_here(capsys, "plan", "recipes/gpt2_tiny.yaml", "--nodes", "2", "--gpus-per-node", "2", "--json")
     result = json.loads(done.stdout)
     for name in ("adam", "zero_one_adam"):
         memory = result[name]["memory_per_rank"]
-        assert memory["total"] == sum(memory[key] for key in ("params", "grads", "optimizer_state", "scratch")) and "fits" not in memory
+        parts = ("params", "grads", "optimizer_state", "scratch", "activations")
+        assert memory["total"] == sum(memory[key] for key in parts) and "fits" not in memory and "fits_with" not in memory
+        assert memory["activations"] == memory["activations_by_mode"]["none"] > memory["activations_by_mode"]["full"] > 0
         assert result[name]["sharded"]["memory_per_rank"]["total"] < memory["total"]
     assert result["zero_one_adam"]["hierarchical"]["memory_per_rank"]["total"] > result["zero_one_adam"]["memory_per_rank"]["total"]
 
@@ -288,3 +290,21 @@ def test_sharded_ranks_hold_what_plan_says():
             assert found["params"] <= want["params"] and sum(found["buffers"].values()) <= sum(want["buffers"].values())
         unsharded = sum(result[name]["memory_per_rank"]["state_buffers"].values())
         assert sum(record["state_buffers"].values()) <= unsharded / 2 + 64 * 1024, name
+
+
+def test_plan_counts_the_recipe_s_checkpointing_and_names_the_mode_that_fits():
+    """The memory of one rank with each mode's activations; fits_with the mode that recomputes least among those that fit."""
+    from zoa_train.optim.lr_schedules import LRSchedule
+    from zoa_train.optim.plan import plan
+
+    activations = {"none": 9 * 10**9, "selective": 5 * 10**9, "full": 10**9}
+    common = dict(bandwidth_bytes_per_s=1e9, latency_s=0.0, activations=activations)
+    base = plan(10, LRSchedule(), 2, 10**8, **common)["adam"]["memory_per_rank"]  # 0.8 GB params and grads, 0.8 GB AdamW (and its step)
+    assert base["activations"] == 9 * 10**9 and base["total"] == sum(base[k] for k in ("params", "grads", "optimizer_state", "scratch")) + 9 * 10**9
+    full = plan(10, LRSchedule(), 2, 10**8, checkpointing="full", **common)["adam"]["memory_per_rank"]
+    assert full["total"] == base["total"] - 8 * 10**9
+    for gpu, mode in ((20e9, "none"), (8e9, "selective"), (3e9, "full"), (2e9, None)):
+        memory = plan(10, LRSchedule(), 2, 10**8, gpu_memory_bytes=gpu, **common)["adam"]["memory_per_rank"]
+        assert memory["fits_with"] == mode, (gpu, memory)
+    with pytest.raises(UserError, match="checkpointing must be one of none, selective, full"):
+        plan(10, LRSchedule(), 2, 10**8, checkpointing="most", **common)

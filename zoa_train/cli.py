@@ -333,6 +333,7 @@ def plan_command(
     gpu_bytes = parse_memory(gpu_memory) if gpu_memory else None
     named = named_parameter_shapes(config)
     shapes = tuple(shape for _, shape in named)
+    activations = planned_activations(config)
     result = plan(
         config.train.steps,
         config.lr_schedule(),
@@ -348,6 +349,8 @@ def plan_command(
         costs=costs,
         betas=o.betas,
         param_shapes=shapes,
+        activations=activations,
+        checkpointing=config.train.activation_checkpointing,
         param_names=tuple(name for name, _ in named),
         gpu_memory_bytes=gpu_bytes,
     )
@@ -358,6 +361,20 @@ def plan_command(
     for name, record in result.items():
         if "warning" in record:
             zoa_console.err.print(f"warning ({name}): {record['warning']}")
+
+
+def planned_activations(config) -> dict[str, int] | None:
+    """The activations one micro-batch of the recipe keeps for backward, by train.activation_checkpointing
+    mode (zoa_train/tasks/activations.py), or None with a warning where its model cannot run on fake tensors."""
+    from zoa_train.tasks.activations import activation_memory
+
+    try:
+        return activation_memory(config).as_dict()
+    except Exception as e:  # noqa: BLE001 -- a model's own code on fake tensors: counted where it runs, said where not
+        zoa_console.err.print(
+            f"warning: activations are not counted for this model ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})."
+        )
+        return None
 
 
 def named_parameter_shapes(config) -> tuple[tuple[str, tuple[int, ...]], ...]:

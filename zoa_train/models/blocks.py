@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zoa_train.errors import UserError
 
-CHECKPOINTING = ("none", "full", "selective")
+CHECKPOINTING = ("none", "selective", "full")  # by recomputation: the first that fits is the one to use
 
 
 def checkpointed_blocks(blocks: list[torch.nn.Module], mode: str) -> list[torch.nn.Module]:

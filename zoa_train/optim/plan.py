@@ -59,13 +59,16 @@ kernels, then the rest) where the model's shapes are known. The collectives are 
 kernels (auto on GPUs and CPUs), which keep no scratch. Sharded (the "sharded" record, comm.shard
 node): FSDP2 over the G ranks of each node, every tensor cut on its first dimension (padded to a
 multiple of G rows), the optimizer on its shard exchanging with the N ranks holding the same shard,
-plus the unsharded fp32 parameters and gradients of FSDP2's largest unit. Activations, the CUDA
-context and the allocator's slack are not modelled, nor tensors made and freed inside a step.
+plus the unsharded fp32 parameters and gradients of FSDP2's largest unit; and, where the caller counted
+them (`activations`, zoa_train/tasks/activations.py: the tensors a micro-batch keeps for backward, by
+train.activation_checkpointing mode), the activations of the recipe's mode, with the mode that fits
+where a GPU's memory is given. The CUDA context and the allocator's slack are not modelled, nor tensors
+made and freed inside a step.
 """
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from rich.table import Table
@@ -319,6 +322,8 @@ def plan(
     param_shapes: tuple[tuple[int, ...], ...] = (),
     param_names: tuple[str, ...] = (),
     gpu_memory_bytes: float | None = None,
+    activations: Mapping[str, int] | None = None,
+    checkpointing: str = "none",
     **knobs,
 ) -> dict[str, dict]:
     """Per registered optimizer name, the run's communication totals on `world_size` ranks, nodes of
@@ -342,7 +347,8 @@ def plan(
     scratch_buffers, and sharded FSDP2's largest unit; None for an optimizer whose entry declares none). The model's
     `param_shapes` and `param_names` (model order) lay the state out as the trainer does and find
     FSDP2's units; with `gpu_memory_bytes` each memory record says whether it fits and the headroom
-    left (for activations, which are not modelled)."""
+    left; with `activations` (bytes by train.activation_checkpointing mode) each adds those of
+    `checkpointing`'s mode, and fits_with names the mode that recomputes least among those that fit."""
     _check(steps >= 0, f"steps must be >= 0, got {steps}.")
     _check(world_size >= 1, f"world size must be at least 1, got {world_size}.")
     _check(ranks_per_node >= 1 and world_size % ranks_per_node == 0, f"ranks per node ({ranks_per_node}) must divide the world size ({world_size}).")
@@ -353,6 +359,7 @@ def plan(
     _check(latency_s >= 0 and math.isfinite(latency_s), f"latency must be a non-negative number of seconds, got {latency_s}.")
     _check(backend in BACKENDS, f"backend must be nccl or gloo, got {backend!r}.")
     _check(gpu_memory_bytes is None or 0 < gpu_memory_bytes < math.inf, f"GPU memory must be a positive number of bytes, got {gpu_memory_bytes}.")
+    _check(activations is None or checkpointing in activations, f"checkpointing must be one of {', '.join(activations or ())}, got {checkpointing!r}.")
     if costs is not None:
         _check(costs.step_time > 0 and math.isfinite(costs.step_time), f"step time must be a positive number of seconds, got {costs.step_time}.")
         _check(0 <= costs.backward_fraction <= 1, f"the backward fraction must be between 0 and 1, got {costs.backward_fraction}.")
@@ -413,7 +420,7 @@ def plan(
         )
         record["intra_bytes_per_rank"] += steps * fsdp_bytes
         record["comm_time_s"] += steps * fsdp_seconds
-        record["memory_per_rank"] = memory_per_rank(spec, knobs, shards, nodes, shard_comm, unit, gpu_memory_bytes)
+        record["memory_per_rank"] = memory_per_rank(spec, knobs, shards, nodes, shard_comm, unit, gpu_memory_bytes, activations, checkpointing)
         return record
 
     def added(cost) -> float | None:
@@ -452,7 +459,9 @@ def plan(
         }
         for topology, comm in (("flat", flat_comm), ("hierarchical", node_comm)):
             if topology in records:
-                records[topology]["memory_per_rank"] = memory_per_rank(spec, context.knobs, groups, world_size, comm, gpu_memory=gpu_memory_bytes)
+                records[topology]["memory_per_rank"] = memory_per_rank(
+                    spec, context.knobs, groups, world_size, comm, gpu_memory=gpu_memory_bytes, activations=activations, checkpointing=checkpointing
+                )
         result[name] = records.pop("flat") | records
         if ranks_per_node > 1 and spec.shardable:  # with one rank a node sharding changes nothing
             result[name]["sharded"] = sharded(spec, counts, context.knobs)
@@ -505,11 +514,14 @@ def memory_per_rank(
     collective: Callable[[list[list[int]]], MemoryCounts],
     unit: tuple[int, str] | None = None,
     gpu_memory: float | None = None,
+    activations: Mapping[str, int] | None = None,
+    checkpointing: str = "none",
 ) -> dict | None:
     """Bytes one rank holds to train with `spec`'s optimizer over parameters of `shapes` (by group; a
     shard of each when `unit`, FSDP2's largest unit, is given) exchanging among `world_size` ranks
-    through `collective`: fp32 params and grads, its optimizer state and scratch, and sharded the
-    unit's unsharded fp32 params and grads. None where its entry plans none."""
+    through `collective`: fp32 params and grads, its optimizer state and scratch, sharded the unit's
+    unsharded fp32 params and grads, and `activations[checkpointing]` where counted. None where its
+    entry plans none."""
     counts = spec.memory(MemoryContext(shapes, world_size, knobs, collective, unit is not None)) if spec.memory else None
     if counts is None:
         return None
@@ -517,12 +529,19 @@ def memory_per_rank(
     record = {"params": 4 * elements, "grads": 4 * elements, "optimizer_state": sum(counts.state.values()), "scratch": sum(counts.scratch.values())}
     if unit is not None:
         record["fsdp_unit"] = 2 * 4 * unit[0]
+    if activations is not None:
+        record["activations"] = activations[checkpointing]
     record["total"] = sum(record.values())
     if unit is not None:
         record |= {"fsdp_unit_params": unit[0], "fsdp_unit_is": unit[1]}
     record |= {"state_buffers": dict(counts.state), "scratch_buffers": dict(counts.scratch)}
     if gpu_memory is not None:
         record |= {"fits": record["total"] <= gpu_memory, "headroom": gpu_memory - record["total"]}
+    if activations is not None:
+        record["activations_by_mode"] = dict(activations)
+        if gpu_memory is not None:
+            without = record["total"] - record["activations"]
+            record["fits_with"] = next((mode for mode, size in activations.items() if without + size <= gpu_memory), None)
     return record
 
 
@@ -710,13 +729,26 @@ def _memory_rows(columns: list[tuple]) -> tuple[list[tuple[str, Callable[[dict],
         notes.append(
             f"FSDP2's largest unit {units[0]['fsdp_unit_is']}: {units[0]['fsdp_unit_params'] / 1e6:,.1f}M params, their fp32 params and grads unsharded at once"
         )
+    counted = "activations" in planned[0]
+    if counted:
+        rows += [
+            (f"activations ({mode})", cell(lambda m, mode=mode: format_bytes(m["activations_by_mode"][mode]))) for mode in planned[0]["activations_by_mode"]
+        ]
     rows.append(("memory / rank", cell(lambda m: format_bytes(m["total"]))))
     if "fits" in planned[0]:
         size = format_bytes(planned[0]["total"] + planned[0]["headroom"])
         rows.append(
             (f"fits in {size}", cell(lambda m: f"yes, {format_bytes(m['headroom'])} left" if m["fits"] else f"no, {format_bytes(-m['headroom'])} over"))
         )
-    notes.append("memory / rank: fp32 params, grads, optimizer state and comm scratch, activations not modelled")
+        if counted:
+            rows.append(("fits with checkpointing", cell(lambda m: m["fits_with"] or "no mode")))
+    if counted:
+        notes.append(
+            "memory / rank: fp32 params, grads, optimizer state, comm scratch and the activations of one micro-batch under the recipe's "
+            "train.activation_checkpointing (each mode's in its row)"
+        )
+    else:
+        notes.append("memory / rank: fp32 params, grads, optimizer state and comm scratch, activations not counted")
     return rows, notes
 
 

@@ -46,8 +46,15 @@ class Task:
     def build_model(self) -> torch.nn.Module:
         raise NotImplementedError
 
-    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    @classmethod
+    def loss(cls, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         """Mean loss of a training batch (a scalar)."""
+        raise NotImplementedError
+
+    @classmethod
+    def example_batch(cls, recipe, size: int) -> dict:
+        """A training batch of `size` samples shaped as the recipe's (values all zero): what `plan` runs on
+        fake tensors to count the activations kept for backward (zoa_train/tasks/activations.py)."""
         raise NotImplementedError
 
     def to_device(self, batch: dict, device: torch.device) -> dict:

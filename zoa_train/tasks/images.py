@@ -71,8 +71,14 @@ class ImageClassification(Task):
             pixels = pixels.contiguous(memory_format=torch.channels_last)
         return {"pixel_values": pixels, "labels": batch["labels"].to(device, non_blocking=True)}
 
-    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    @classmethod
+    def loss(cls, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         return F.cross_entropy(model(batch["pixel_values"]), batch["labels"])
+
+    @classmethod
+    def example_batch(cls, recipe, size: int) -> dict:
+        crop = recipe.data.crop_size
+        return {"pixel_values": torch.zeros(size, 3, crop, crop), "labels": torch.zeros(size, dtype=torch.long)}
 
     def validation_batches(self, max_batches: int | None):
         from zoa_train.data.images import eval_transform, image_validation_batches

@@ -80,8 +80,14 @@ class LanguageTask(Task):
 
     forward_options: dict = {}  # keyword arguments of every forward the task runs
 
-    def loss(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        return model(**batch, **self.forward_options).loss
+    @classmethod
+    def loss(cls, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        return model(**batch, **cls.forward_options).loss
+
+    @classmethod
+    def example_batch(cls, recipe, size: int) -> dict:
+        ids = torch.zeros(size, recipe.data.seq_len, dtype=torch.long)
+        return {"input_ids": ids, "labels": ids.clone()}
 
     def validation_batches(self, max_batches: int | None):
         from zoa_train.data import validation_batches
@@ -121,6 +127,13 @@ class MaskedLM(LanguageTask):
     @classmethod
     def auto_class(cls, architecture: str | None) -> str:
         return "AutoModelForPreTraining" if architecture and architecture.endswith("ForPreTraining") else "AutoModelForMaskedLM"
+
+    @classmethod
+    def example_batch(cls, recipe, size: int) -> dict:
+        batch = super().example_batch(recipe, size)
+        if recipe.model.next_sentence:
+            batch |= {"token_type_ids": torch.zeros_like(batch["input_ids"]), "next_sentence_label": torch.zeros(size, dtype=torch.long)}
+        return batch
 
     def blocks(self, tokens):
         from zoa_train.data import MaskedLMBlocks, SentencePairBlocks
