@@ -1,8 +1,9 @@
 """`zoa-train report`: plots and a comparison table for finished (or running) run directories.
 
 Writes into one output directory: loss.png (training and validation loss against step, wall-clock
-time and bytes sent), bits_per_param.png, step_kinds.png (what each optimizer step did) and
-report.md (the table and links to the images). Files of the same names are replaced.
+time and bytes sent), bits_per_param.png, step_kinds.png (what each optimizer step did), memory.png
+(each log window's peak memory, the maximum over ranks, where the runs logged it) and report.md (the
+table and links to the images). Files of the same names are replaced.
 
 Matplotlib is used through Figure objects, never pyplot: no GUI backend and no global state, so it
 works headless and inside other programs alike.
@@ -29,6 +30,7 @@ LINE_STYLES = ["-", "--", ":", "-."]
 MARKERS = ["o", "s", "^", "D", "v", "P"]
 KIND_COLOURS = {VARIANCE: "#c0392b", FULL: "#34495e", ONEBIT: "#27ae60", LOCAL: "#f5d76e", LOW_RANK: "#16a085", OUTER: "#8e44ad"}
 MB = 1e6
+GB = 1e9
 
 
 @dataclass
@@ -161,6 +163,39 @@ def plot_bits(runs: list[RunLog], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def plot_memory(runs: list[RunLog], path: Path) -> list[str]:
+    """Each log window's peak memory (mem_peak_bytes: the maximum over ranks) against step; returns notes on
+    the runs without it, which are left out."""
+    fig = Figure(figsize=(8, 4.5), layout="constrained")
+    ax = fig.subplots()
+    notes, highest = [], 0.0
+    for label, run, style in zip(labels(runs), runs, styles(runs)):
+        series = run.series("mem_peak_bytes")
+        if not series:
+            notes.append(
+                f"{label}: no mem_peak_bytes in metrics.jsonl (a run from before it was logged, or one with only its lifetime peak), left out of memory.png."
+            )
+            continue
+        peaks = [r["mem_peak_bytes"] / GB for r in series]
+        highest = max(highest, *peaks)
+        ax.plot(
+            [r["step"] for r in series],
+            peaks,
+            label=label,
+            color=style["color"],
+            linestyle=style["linestyle"],
+            linewidth=1.8,
+        )
+    ax.set_ylim(0, 1.15 * highest)  # from zero: a peak is read against the whole of the memory
+    ax.set_xlabel("step")
+    ax.set_ylabel("peak memory of the log window (GB)\n(the rank with the most)")
+    ax.set_title("memory: peak per log window, maximum over ranks")
+    ax.grid(alpha=0.3)
+    ax.legend(title="run", fontsize="small")
+    fig.savefig(path, dpi=100)
+    return notes
+
+
 def step_kinds(run: RunLog) -> np.ndarray | None:
     """Index into STEP_KINDS per step (position 0 = step 1), -1 where unknown; None if the run never logged them.
 
@@ -233,6 +268,9 @@ def write_report(paths: list[Path], out: Path) -> Report:
     plot_losses(runs, out / "loss.png")
     plot_bits(runs, out / "bits_per_param.png")
     notes += plot_step_kinds(runs, out / "step_kinds.png")
+    if any(run.series("mem_peak_bytes") for run in runs):
+        images["memory.png"] = "Peak memory"
+        notes += plot_memory(runs, out / "memory.png")
 
     text = ["# zoa-train report", "", "Runs: " + ", ".join(f"`{r.path}`" for r in runs), "", markdown]
     text.append(

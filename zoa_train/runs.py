@@ -2,7 +2,8 @@
 
 A run directory holds `recipe.yaml` (the resolved recipe) and `metrics.jsonl` (one JSON record per
 log step, written by rank 0: step, loss, lr, throughput, bits_per_param, rounds, bytes_sent,
-wall_time, train_s, step_kinds, and val_loss on validation steps).
+wall_time, train_s, step_kinds, memory peaks (mem_peak_bytes and each rank's, mem_peak_bytes_by_rank),
+mfu_percent where known, and val_loss on validation steps).
 
 `step_kinds` holds one character per optimizer step since the previous record, from zoa_train.step_kinds
 (runs written before it existed lack it). `train_s` is the seconds those steps took, validation and
@@ -75,10 +76,14 @@ def read_run(path: str | Path) -> RunLog:
 
 def _record_problem(record) -> str | None:
     """What makes `record` unlike a metrics record (an object with a step, an integer 0 or more, every
-    other value a number but step_kinds, a string), or None."""
+    other value a number but step_kinds, a string, and the per-rank keys (`..._by_rank`), lists of numbers), or None."""
     if not isinstance(record, dict):
         return f"is a JSON {type(record).__name__}, not an object"
     for key, value in record.items():
+        if key.endswith("_by_rank"):
+            if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+                return f"has {key} {json.dumps(value)}, which is not a list of numbers"
+            continue
         wanted = str if key == "step_kinds" else int if key == "step" else (int, float)
         if not isinstance(value, wanted) or isinstance(value, bool):
             return f"has {key} {json.dumps(value)}, which is not {'a string' if wanted is str else 'an integer' if wanted is int else 'a number'}"

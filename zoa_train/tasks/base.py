@@ -60,6 +60,11 @@ class Task:
     def to_device(self, batch: dict, device: torch.device) -> dict:
         return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
+    def flops_per_unit(self, model: torch.nn.Module) -> float | None:
+        """The model FLOPs of one unit of throughput (a token), forward and backward, for MFU; None where
+        the task does not count them (docs/metrics.md, "MFU"): then no MFU is logged."""
+        return None
+
     def save_artifacts(self, run_dir: Path) -> None:
         """Write what a checkpoint's model needs to be used (e.g. the tokenizer) into the run directory."""
 

@@ -1,6 +1,7 @@
 """causal_lm (GPT-2, Llama) and masked_lm (BERT): a tokenizer and token streams (zoa_train/data), a
 transformers model from the family's builder (zoa_train/models), and its own loss (`model(**batch).loss`)."""
 
+import logging
 from pathlib import Path
 
 import torch
@@ -13,6 +14,39 @@ from zoa_train.tasks.base import IMAGE_SOURCES, Task
 # The run directory's record of the model's Hugging Face config (config.json), where the recipe does not name
 # the model alone (model.init_from, model.hf_config): what eval and export rebuild the model from.
 MODEL_CONFIG = "model_config"
+
+log = logging.getLogger(__name__)
+
+
+class NotCounted(ValueError):
+    """A model whose FLOPs per token the transformer formula does not give; the message says why."""
+
+
+def transformer_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Model FLOPs of one training token, forward and backward, of a transformers model: 6 N + 12 L H Q T
+    (PaLM's accounting, docs/metrics.md "MFU"). N: the parameters that multiply activations, i.e. all but
+    the embedding tables that are looked up (token, position, token type), with the output layer counted
+    even where it is the token embedding (tied); L layers, H heads of width Q, each attending to T =
+    seq_len tokens (a sliding window's layer to at most its window). NotCounted for a model it does not fit."""
+    config = getattr(model, "config", None)
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    if not layers or not heads:
+        raise NotCounted("its config names no number of layers and attention heads")
+    if any(getattr(config, key, None) for key in ("num_experts_per_tok", "num_local_experts", "num_experts", "n_routed_experts")):
+        raise NotCounted("it is a mixture of experts, which runs only some of its parameters on each token")
+    window = getattr(config, "sliding_window", None)
+    kinds = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * layers
+    other = sorted(set(kinds) - {"full_attention", "sliding_attention"})
+    if other:
+        raise NotCounted(f"it has layers of type {', '.join(other)}, which the formula for attention does not count")
+    spans = sum(min(seq_len, window) if kind == "sliding_attention" and window else seq_len for kind in kinds)
+    head_width = getattr(config, "head_dim", None) or config.hidden_size // heads
+    looked_up = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    multiplying = sum(p.numel() for p in model.parameters() if id(p) not in looked_up)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if output is not None and id(output.weight) in looked_up:  # tied: one tensor, and a matmul all the same
+        multiplying += output.weight.numel()
+    return 6.0 * multiplying + 12.0 * heads * head_width * spans
 
 
 class LanguageTask(Task):
@@ -69,6 +103,14 @@ class LanguageTask(Task):
         if self.recorded_config is not None:
             self.recorded_config.architectures = [type(model).__name__]
         return model
+
+    def flops_per_unit(self, model: torch.nn.Module) -> float | None:
+        try:
+            return transformer_flops_per_token(model, self.recipe.data.seq_len)
+        except NotCounted as e:
+            if self.rank == 0:
+                log.warning("MFU is not logged: the FLOPs per token of this %s model are not counted: %s (docs/metrics.md)", self.recipe.model.kind, e)
+            return None
 
     @classmethod
     def auto_class(cls, architecture: str | None) -> str:

@@ -56,6 +56,7 @@ class MetricsLogger:
             unit, rate = next((k.removesuffix("_per_s"), v) for k, v in record.items() if k.endswith("_per_s"))
             status = (
                 f"loss {record['loss']:.3f}  lr {record['lr']:.2e}  {rate:,.0f} {unit}/s  {record['bits_per_param']:.2f} bits/param  {record['rounds']} rounds"
+                + _utilization(record)
             )
             if self._progress is not None:
                 self._progress.update(self._task, completed=step, status=status)
@@ -128,6 +129,19 @@ class LogWindow:
             self._timed = (ledger.round_seconds, ledger.exposed_seconds)
         self._restart()
         return record
+
+
+def _utilization(record: dict) -> str:
+    """The console's memory (the maximum over ranks: the window's peak, or the lifetime peak where the window's
+    cannot be measured) and MFU, where the record has them (zoa_train/train/monitor.py)."""
+    text = ""
+    if "mem_peak_bytes" in record:
+        text += f"  mem {record['mem_peak_bytes'] / 1e9:.2f} GB"
+    elif "mem_lifetime_peak_bytes" in record:
+        text += f"  mem {record['mem_lifetime_peak_bytes'] / 1e9:.2f} GB (lifetime peak)"
+    if "mfu_percent" in record:
+        text += f"  MFU {record['mfu_percent']:.3g}%"
+    return text
 
 
 def _clock(seconds: float) -> str:

@@ -41,6 +41,7 @@ from zoa_train.tasks import build_task
 from zoa_train.train import resume_rules
 from zoa_train.train.loss_scaling import LossScaler
 from zoa_train.train.metrics import LogWindow, MetricsLogger
+from zoa_train.train.monitor import RankMonitor
 from zoa_train.train.rundir import RunDirectory, agree, complete_checkpoints, read_marker
 
 log = logging.getLogger(__name__)
@@ -314,6 +315,7 @@ class Trainer:
         t = self.recipe.train
         started = time.perf_counter() - self.wall_offset
         window = LogWindow(t.log_every, t.global_batch_size * self.task.units_per_sample, self.task.unit)
+        monitor = RankMonitor(self.device, self.task.flops_per_unit(self.model), t.precision, t.peak_tflops, self.world, self.is_main)
         train_record, val_record = {}, {}
         while self.step < t.steps:
             taken = self.train_step()
@@ -332,6 +334,7 @@ class Trainer:
             if log_now:
                 dist.all_reduce(loss_sum)  # monitoring only: one scalar every log_every steps
                 train_record = window.record(loss_sum.item() / self.world, lr, self.ledger, self.opt.variance_updates)
+                train_record |= monitor.record(train_record[window.throughput_key])  # memory peaks: one small all-gather
                 record |= train_record
             paused = time.perf_counter()  # validation and checkpoints are not training throughput
             if last:
@@ -351,7 +354,7 @@ class Trainer:
         if not self.is_main:
             return None
         summary = {"step": self.step, **train_record, **val_record, "wall_time": time.perf_counter() - started}
-        for key in ("step_kinds", "train_s"):
+        for key in ("step_kinds", "train_s", "mem_peak_bytes_by_rank", "mem_lifetime_peak_bytes_by_rank"):
             summary.pop(key, None)
         return summary | {"run_dir": str(self.run_dir.path)}
 
