@@ -202,6 +202,14 @@ class DDPBacked(_HoldsTorchOptimizer):
     def no_sync(self):
         return self.module.no_sync()
 
+    def zero_grad(self) -> None:
+        """Drop the gradients, and after the first synchronised backward lay DDP's buckets out in the
+        order its gradients came (DDP's one rebuild: two broadcasts over the world) now, at the end of a
+        step on every rank, rather than at the next forward, where under gradient accumulation it would
+        cross between nodes inside a step's first micro-batch (docs/algorithm.md, "Gradient accumulation")."""
+        super().zero_grad()
+        self.module.reducer._rebuild_buckets()  # DDP's own entry point (its Join hook calls it); False, sending nothing, once done
+
     def keep_rounds_in_step(self, reason: str) -> None:
         """DDP's allreduce of the raw gradients during backward is what clipping and loss scaling expect."""
 
