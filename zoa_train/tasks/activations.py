@@ -10,9 +10,11 @@ then. What each train.activation_checkpointing mode keeps follows from that one 
   full       what is saved outside the blocks (embeddings, final norm, output layer and loss) plus each
              block's input, which the non-reentrant checkpoint holds to recompute from
   selective  as full for every other block (zoa_train/models/blocks.py), everything for the rest
-and the peak adds, with recomputation, the largest recomputed block's own activations, which backward
-rebuilds one block at a time. Not counted: the gradients of activations in flight during backward
-(a few tensors of one block's size), the allocator's slack and the device runtime.
+and the peak is the larger of what the end of forward keeps and, during backward (last block first),
+what the blocks below a block keep plus that block's activations (rebuilt where it is recomputed) and as
+many bytes again of their gradients. Not counted: the loss's gradient of the logits at the start of
+backward, the allocator's slack and the device runtime (measured on CPU: docs/results.md, "Activation
+checkpointing").
 """
 
 from dataclasses import dataclass
@@ -27,12 +29,13 @@ from zoa_train.precision import autocast
 
 @dataclass(frozen=True)
 class ActivationMemory:
-    """Bytes one rank's micro-batch keeps for backward, by train.activation_checkpointing mode (peak:
-    with the largest recomputed block rebuilt)."""
+    """Bytes of one rank's micro-batch at its peak, by train.activation_checkpointing mode, and `saved`:
+    every tensor the forward keeps for backward without recomputation."""
 
     none: int
     selective: int
     full: int
+    saved: int
 
     def __getitem__(self, mode: str) -> int:
         return getattr(self, mode)
@@ -52,9 +55,9 @@ def activation_memory(recipe, micro_batch_size: int | None = None) -> Activation
         model = task.model_for_counting(recipe)
         model.train()
         blocks = models.get(recipe.model.kind).blocks(model)
-        saved: dict[int, tuple[int, int | None]] = {}  # storage -> (bytes, the block that saved it first, or None outside)
+        saved: dict[int, tuple[int, int | str]] = {}  # storage -> (bytes, the block that saved it first, or before/after them)
         inputs: list[dict[int, int]] = [{} for _ in blocks]  # each block's input storages -> bytes
-        running: list[int | None] = [None]
+        running: list[int | str] = ["before"]
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             storage = tensor.untyped_storage()
@@ -70,7 +73,7 @@ def activation_memory(recipe, micro_batch_size: int | None = None) -> Activation
             return hook
 
         handles = [block.register_forward_pre_hook(enter(i), with_kwargs=True) for i, block in enumerate(blocks)]
-        handles += [block.register_forward_hook(lambda *_: running.__setitem__(0, None)) for block in blocks]
+        handles += [block.register_forward_hook(lambda *_: running.__setitem__(0, "after")) for block in blocks]
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast(recipe.train.precision, torch.device("cpu")):
                 task.loss(model, task.example_batch(recipe, size))
@@ -78,14 +81,20 @@ def activation_memory(recipe, micro_batch_size: int | None = None) -> Activation
             for handle in handles:
                 handle.remove()
     own = [{key: size for key, (size, block) in saved.items() if block == i} for i in range(len(blocks))]
-    outside = {key: size for key, (size, block) in saved.items() if block is None}
+    before = {key: size for key, (size, block) in saved.items() if block == "before"}
+    after = {key: size for key, (size, block) in saved.items() if block == "after"}
 
-    def mode_bytes(mode: str) -> int:
-        recomputed = [i for i, b in enumerate(blocks) if any(b is r for r in checkpointed_blocks(blocks, mode))]
-        held = dict(outside)
+    def peak(mode: str) -> int:
+        recomputed = [any(b is r for r in checkpointed_blocks(blocks, mode)) for b in blocks]
+        kept = [inputs[i] if recomputed[i] else own[i] for i in range(len(blocks))]
+        # the end of forward: everything kept; then backward, last block first, each block's activations
+        # (rebuilt if recomputed) and their gradients over what the blocks before it keep
+        live = [before | after | {k: v for held in kept for k, v in held.items()}]
         for i in range(len(blocks)):
-            held |= inputs[i] if i in recomputed else own[i]
-        rebuilt = max((sum(size for key, size in own[i].items() if key not in held) for i in recomputed), default=0)
-        return sum(held.values()) + rebuilt
+            below = dict(before)
+            for held in kept[:i]:
+                below |= held
+            live.append(below | inputs[i] | {(k, "grad"): v for k, v in own[i].items()} | own[i])
+        return max(sum(held.values()) for held in live)
 
-    return ActivationMemory(**{mode: mode_bytes(mode) for mode in CHECKPOINTING})
+    return ActivationMemory(**{mode: peak(mode) for mode in CHECKPOINTING}, saved=sum(size for size, _ in saved.values()))
