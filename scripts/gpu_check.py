@@ -39,7 +39,10 @@
    example and the Lightning example (SelfSyncingStrategy), each through 0/1 Adam's warm-up into its
    local steps: the run completes, its loss falls and stays finite, and the model it trained sits on the
    device; SKIP where transformers, accelerate or lightning is not installed;
-9. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
+9. what a large model needs (issue 50), one rank: activation checkpointing trains the same model, compiled
+   blocks within 1e-4 of eager, and a few steps of a Llama (llama_1b on CUDA) with and without
+   recomputation logging every rank's peak memory and MFU, the peaks' difference beside plan's count;
+10. on CUDA, `zoa-train bench optim`: 0/1 Adam's local step against AdamW(fused), target 1.1x.
 What one GPU cannot validate: NCCL between ranks and the 1-bit collectives over NCCL (two GPUs), and
 communication speed (Gloo through host memory on one machine says nothing of NCCL over NVLink or a
 network; the two ranks also share the GPU's time). Prints one line per check; exit 1 on a failure.
@@ -47,6 +50,7 @@ network; the two ranks also share the GPU's time). Prints one line per check; ex
 
 import argparse
 import functools
+import math
 import statistics
 import subprocess
 import sys
@@ -793,6 +797,76 @@ def check_step_cost(device: torch.device) -> None:
     )
 
 
+def check_scale(device: torch.device, quick: bool) -> None:
+    """What training a large model needs (issue 50), on one rank: recomputed blocks train the same model
+    (CUDA: within 1e-6, its kernels may reduce in another order), compiled blocks within 1e-4 of eager
+    (on the CPU only without --quick: inductor's compile takes a minute there), and a few steps of a
+    Llama (recipes/llama_1b.yaml on CUDA; a 4-layer llama_tiny on the CPU) with and without recomputation
+    whose records hold each rank's peak memory and, on a GPU zoa-train knows, MFU; the peaks' difference
+    is printed beside the one `plan` counts."""
+    import json
+
+    from zoa_train.config import load_recipe
+    from zoa_train.tasks.activations import activation_memory
+
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    tolerance = 1e-6 if device.type == "cuda" else 0.0
+    with tempfile.TemporaryDirectory() as tmp:
+        common = ["train.nproc=1", f"train.backend={backend}", "train.log_every=1", "train.val_every=0", "train.val_batches=1", "logging.wandb=disabled"]
+        common += ["logging.tensorboard=false", f"data.cache_dir={tmp}/cache", "train.steps=3", "model.dropout=0.1"]
+
+        def run(recipe: str, name: str, *sets: str) -> tuple[subprocess.CompletedProcess, Path]:
+            out = Path(tmp) / name
+            return zoa("run", recipe, "--out", str(out), *[a for s in (*common, *sets) for a in ("--set", s)]), out
+
+        def final_model(out: Path) -> dict:
+            return torch.load(sorted((out / "checkpoints").glob("step_*"))[-1] / "model.pt", map_location="cpu")
+
+        def largest_difference(a: Path, b: Path) -> float:
+            x, y = final_model(a), final_model(b)
+            return max((x[k].float() - y[k].float()).abs().max().item() for k in x)
+
+        runs = {mode: run("recipes/gpt2_tiny.yaml", mode, f"train.activation_checkpointing={mode}") for mode in ("none", "full")}
+        ok = all(done.returncode == 0 for done, _ in runs.values())
+        worst = largest_difference(runs["none"][1], runs["full"][1]) if ok else math.inf
+        report(f"activation checkpointing full trains gpt2_tiny's model on {device.type} (within {tolerance:g})", ok and worst <= tolerance, f"{worst:.2e}")
+        if quick and device.type == "cpu":
+            print("SKIP  compiled blocks within 1e-4 of eager  --quick on the CPU (inductor compiles for a minute)", flush=True)
+        else:
+            eager, _ = run("recipes/gpt2_tiny.yaml", "eager", "model.dropout=0.0")
+            compiled, _ = run("recipes/gpt2_tiny.yaml", "compiled", "model.dropout=0.0", "train.compile=true")
+            ok = eager.returncode == 0 and compiled.returncode == 0
+            worst = largest_difference(Path(tmp) / "eager", Path(tmp) / "compiled") if ok else math.inf
+            report(f"compiled blocks train within 1e-4 of eager on {device.type}", ok and worst <= 1e-4, f"{worst:.2e}" if ok else compiled.stderr[-300:])
+        recipe, sizes = (
+            ("recipes/llama_1b.yaml", ["train.micro_batch_size=2", "train.global_batch_size=2", "data.seq_len=2048"])
+            if device.type == "cuda"
+            else (
+                "recipes/llama_tiny.yaml",
+                ["model.n_layer=4", "data.seq_len=256", "train.micro_batch_size=8", "train.global_batch_size=8", "train.precision=fp32"],
+            )
+        )
+        peaks = {}
+        for mode in ("none", "full"):
+            done, out = run(recipe, f"llama_{mode}", *sizes, "optimizer.name=adam", f"train.activation_checkpointing={mode}")
+            records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()] if done.returncode == 0 else []
+            memory = all("mem_peak_bytes" in r and len(r["mem_peak_bytes_by_rank"]) == 1 for r in records if "loss" in r)
+            mfu = [r["mfu_percent"] for r in records if "mfu_percent" in r]
+            known = device.type == "cuda" and "MFU is not logged" not in done.stderr
+            ok = bool(records) and memory and (bool(mfu) == known)
+            peaks[mode] = max((r["mem_peak_bytes"] for r in records if "mem_peak_bytes" in r), default=0)
+            detail = f"peak {peaks[mode] / 1e9:.2f} GB" + (f", MFU {mfu[-1]:.1f}%" if mfu else ", no MFU (device not in the table)")
+            report(
+                f"{Path(recipe).stem} {mode} on {device.type}: memory in every record, MFU where the device is known",
+                ok,
+                detail if records else done.stderr[-300:],
+            )
+        counted = activation_memory(load_recipe(recipe, [*common, *sizes]))
+        print(
+            f"  {Path(recipe).stem}: measured peak none - full {(peaks['none'] - peaks['full']) / 1e9:.2f} GB, plan's activations none - full {(counted.none - counted.full) / 1e9:.2f} GB"
+        )
+
+
 SECTIONS = {  # name: check(device, quick), in the order they run
     "packing": lambda device, quick: check_packing(device),
     "kernels": lambda device, quick: check_kernels(device),
@@ -803,6 +877,7 @@ SECTIONS = {  # name: check(device, quick), in the order they run
     "overlap": lambda device, quick: check_overlap(device),
     "sharded": lambda device, quick: check_sharded(device),
     "integrations": lambda device, quick: check_integrations(device),
+    "scale": check_scale,
     "step_cost": lambda device, quick: check_step_cost(device),  # CUDA only: on a CPU it is `bench optim`'s own figure
 }
 
