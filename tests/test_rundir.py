@@ -9,13 +9,15 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 from zoa_train.errors import UserError
 from zoa_train.train import rundir
-from zoa_train.train.rundir import RunDirectory, read_manifest, read_marker, verify_checkpoint
+from zoa_train.train.checkpointer import host_copy, read_whole
+from zoa_train.train.rundir import RunDirectory, complete_checkpoints, read_manifest, read_marker, verify_checkpoint
 
 
 def test_check_refuses_what_a_run_must_not_touch(tmp_path):
@@ -123,8 +125,9 @@ def test_explicit_resume_of_a_damaged_checkpoint_names_the_file(tmp_path):
         rundir.resolve_model_file(saved)
 
 
+@pytest.mark.parametrize("background", [False, True], ids=["foreground", "background"])
 @pytest.mark.parametrize("failing", ["save_file", "_write_synced"])
-def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, failing):
+def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypatch, failing, background):
     run = RunDirectory(tmp_path)
     previous = _save(run, 4, keep=1)
 
@@ -132,15 +135,70 @@ def test_a_failed_save_leaves_the_previous_checkpoint_intact(tmp_path, monkeypat
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(rundir, failing, no_space)
+    failed = threading.Event()
     with pytest.raises(UserError, match=r"^could not write checkpoint step_00000008 under .*checkpoints: no space is left on the disk mounted at /.*; ") as e:
-        _save(run, 8, keep=1)  # keep=1: pruning first would have lost step 4
+        if background:  # the error comes at the next wait, the same sentence; the trainer is told at once (it then stops every rank)
+            run.save_in_background(8, 0, 1, {"x": torch.zeros(64)}, {"model.pt": {"w": torch.ones(8)}}, keep=1, on_failure=failed.set)
+            assert failed.wait(30)
+            run.wait_for_save()
+        else:
+            _save(run, 8, keep=1)  # keep=1: pruning first would have lost step 4
     assert "\n" not in str(e.value)
+    assert run.wait_for_save() is None  # said once
     monkeypatch.undo()
     assert [p.name for p in run.checkpoints.iterdir()] == ["step_00000004"]  # no staging left behind
     assert run.latest() == previous and run.check("auto", False, 1) == previous
     assert torch.equal(run.load(previous, "model.pt")["w"], torch.ones(8) * 4)
     assert _save(run, 8, keep=1).name == "step_00000008" and run.latest().name == "step_00000008"
     assert [p.name for p in run.checkpoints.iterdir()] == ["step_00000008"]  # pruned once the new one was complete
+
+
+def test_a_background_save_copies_the_state_at_once_and_publishes_it_whole_once_written(tmp_path, monkeypatch):
+    run = RunDirectory(tmp_path)
+    previous = _save(run, 4, keep=1)
+    writing, release = threading.Event(), threading.Event()
+    original = rundir.save_file
+
+    def held(obj, path):  # the first file's write waits until the test lets it go
+        writing.set()
+        assert release.wait(30)
+        return original(obj, path)
+
+    monkeypatch.setattr(rundir, "save_file", held)
+    weights = torch.ones(8)
+    run.save_in_background(8, 0, 1, {"x": weights}, {"model.pt": {"w": weights, "tied": weights[:4]}}, keep=1)
+    weights.mul_(5)  # training goes on and changes the tensors: the checkpoint holds them as they were at the save
+    assert writing.wait(30)
+    assert complete_checkpoints(run.checkpoints) == [previous] and (run.checkpoints / "step_00000008.tmp").is_dir()  # invisible until whole
+    second = threading.Thread(target=run.save_in_background, args=(12, 0, 1, {"x": weights}, {"model.pt": {"w": weights}}, 2))
+    second.start()
+    second.join(0.5)
+    assert second.is_alive()  # a second save waits for the first write
+    release.set()
+    second.join(30)
+    assert run.latest().name == "step_00000012"  # latest() waits for the write in flight
+    published = run.wait_for_save()
+    assert published.name == "step_00000012" and run.wait_for_save() is None
+    assert sorted(p.name for p in run.checkpoints.iterdir()) == ["step_00000008", "step_00000012"]  # step 4 pruned once 8 was complete
+    at_8 = run.load(published.with_name("step_00000008"), "model.pt")
+    assert torch.equal(at_8["w"], torch.ones(8)) and torch.equal(at_8["tied"], torch.ones(4))  # as the tensors were at the save
+    assert at_8["tied"].untyped_storage().data_ptr() == at_8["w"].untyped_storage().data_ptr()
+    assert torch.equal(run.load(published.with_name("step_00000008"), "rank_00000.pt")["x"], torch.ones(8))
+    assert torch.equal(run.load(published, "model.pt")["w"], torch.full((8,), 5.0))
+
+
+def test_the_copy_to_host_memory_keeps_shared_storages_shared(tmp_path):
+    """What a background save copies: tensors that share a storage (tied weights, views of a flat buffer) share
+    its one copy, so torch.save writes the same file as of the originals; the originals may change afterwards."""
+    weights = torch.arange(4096.0)
+    state = {"w": weights, "tied": weights[:1024], "nested": [(weights, 3)], "step": 8}
+    torch.save(state, tmp_path / "original.pt")
+    copied = host_copy(state)
+    weights.zero_()
+    assert torch.equal(copied["w"], torch.arange(4096.0)) and torch.equal(copied["tied"], torch.arange(1024.0)) and copied["step"] == 8
+    assert copied["tied"].untyped_storage().data_ptr() == copied["w"].untyped_storage().data_ptr() == copied["nested"][0][0].untyped_storage().data_ptr()
+    torch.save(copied, tmp_path / "copy.pt")
+    assert abs((tmp_path / "copy.pt").stat().st_size - (tmp_path / "original.pt").stat().st_size) < 1024  # a second storage: 4 KB more
 
 
 def test_saving_a_step_again_replaces_it_whole(tmp_path):
@@ -202,17 +260,29 @@ def test_the_lock_of_a_dead_process_does_not_block(tmp_path):
 
 
 def _two_ranks(rank, world_size, path):
-    """Each rank's own file is hashed by that rank; a damaged rank file and a failed write on one
-    rank give the same outcome on every rank."""
+    """Each rank's own files are hashed by that rank; a damaged rank file and a failed write on one
+    rank give the same outcome on every rank. Step 4 and the failed step 6 are written in the background,
+    their collectives (DCP's and the agreement's) beside the training thread's on the default group."""
     import torch.distributed as dist
 
     run = RunDirectory(path)
     out = {"start": run.prepare(None, False, world_size, rank)}
-    for step in (2, 4):
-        run.save(step, rank, world_size, {"r": torch.full((16,), float(rank))}, {"model.pt": {"w": torch.ones(2)}} if rank == 0 else {}, keep=5)
+    shards = {"model": {f"node_{rank}": {"w": torch.full((8,), float(rank))}}}  # each rank its own, as inside a local-step period
+    run.save(2, rank, world_size, {"r": torch.full((16,), float(rank))}, {"model.pt": {"w": torch.ones(2)}} if rank == 0 else {}, keep=5)
+    run.save_in_background(
+        4, rank, world_size, {"r": torch.full((16,), float(rank))}, {"model.pt": {"w": torch.ones(2)}} if rank == 0 else {}, 5, sharded=shards
+    )
+    total = torch.zeros(1)
+    for _ in range(200):  # training's collectives meanwhile
+        step = torch.ones(1)
+        dist.all_reduce(step)
+        total += step
+    out["all_reduced"] = total.item()
+    run.wait_for_save()
     if rank == 0:
         out["manifest"] = sorted(read_manifest(run.checkpoints / "step_00000004"))
         out["sidecars"] = sorted(p.name for p in run.checkpoints.rglob("*.sha256"))
+        out["verified"] = verify_checkpoint(run.checkpoints / "step_00000004")
         _flip_byte(run.checkpoints / "step_00000004" / "rank_00001.pt")
     dist.barrier()
     out["resumed"] = run.prepare("auto", False, world_size, rank).name
@@ -225,7 +295,8 @@ def _two_ranks(rank, world_size, path):
 
     rundir.save_file = full_on_rank_1
     try:
-        run.save(6, rank, world_size, {}, {}, keep=1)
+        run.save_in_background(6, rank, world_size, {}, {}, keep=1, sharded=shards)
+        run.wait_for_save()
     except UserError as e:
         out["error"] = str(e)
     rundir.save_file = original
@@ -239,20 +310,28 @@ def test_two_ranks_agree_on_damage_and_on_a_failed_save(tmp_path):
     from distributed_harness import run_ranks
 
     out0, out1 = run_ranks(_two_ranks, 2, str(tmp_path / "run"), timeout=120)
-    assert out0["manifest"] == ["model.pt", "rank_00000.pt", "rank_00001.pt"] and out0["sidecars"] == []
+    assert out0["manifest"] == ["model.pt", "model/.metadata", "model/__0_0.distcp", "model/__1_0.distcp", "rank_00000.pt", "rank_00001.pt"]
+    assert out0["sidecars"] == [] and out0["verified"] is None and out0["all_reduced"] == out1["all_reduced"] == 400
+    whole = read_whole(tmp_path / "run" / "checkpoints" / "step_00000004" / "model")  # one process, no group: every rank's shards
+    assert torch.equal(whole["node_0"]["w"], torch.zeros(8)) and torch.equal(whole["node_1"]["w"], torch.ones(8))
     assert out0["resumed"] == out1["resumed"] == "step_00000002"
     assert "could not write checkpoint step_00000006" in out0["error"] and out0["error"] == out1["error"]
     assert out0["left"] == out1["left"] == ["step_00000002", "step_00000004"]
 
 
-def _fill_the_disk(rank, world_size, path):
-    """Step 1 fits on the small disk; step 2's rank-1 file does not."""
+def _fill_the_disk(rank, world_size, path, sharded):
+    """Step 1 fits on the small disk; step 2's rank-1 file does not (or, `sharded`, its shards, written in the background)."""
     run = RunDirectory(path)
     run.prepare(None, False, world_size, rank)
     run.save(1, rank, world_size, {"r": torch.zeros(1 << 16)}, {"model.pt": {"w": torch.ones(2)}} if rank == 0 else {}, keep=2)
     free = shutil.disk_usage(path).free
+    big = torch.zeros((1 << 21) if rank == 1 else 1)
     try:
-        run.save(2, rank, world_size, {"r": torch.zeros((1 << 21) if rank == 1 else 1)}, {"model.pt": {"w": torch.ones(2)}} if rank == 0 else {}, keep=2)
+        if sharded:
+            run.save_in_background(2, rank, world_size, {}, {}, 2, sharded={"model": {f"node_{rank}": {"w": big}}})
+            run.wait_for_save()
+        else:
+            run.save(2, rank, world_size, {"r": big}, {"model.pt": {"w": torch.ones(2)}} if rank == 0 else {}, keep=2)
         error = None
     except UserError as e:
         error = str(e)
@@ -274,10 +353,11 @@ def small_disk(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_full_disk_fails_the_checkpoint_in_one_sentence_on_every_rank_and_keeps_the_earlier_one(small_disk):
+@pytest.mark.parametrize("sharded", [False, True], ids=["rank_file", "shards_in_background"])
+def test_a_full_disk_fails_the_checkpoint_in_one_sentence_on_every_rank_and_keeps_the_earlier_one(small_disk, sharded):
     from distributed_harness import run_ranks
 
-    out0, out1 = run_ranks(_fill_the_disk, 2, str(small_disk / "run"), timeout=120)
+    out0, out1 = run_ranks(_fill_the_disk, 2, str(small_disk / "run"), sharded, timeout=120)
     checkpoints = small_disk / "run" / "checkpoints"
     assert out0["error"] == out1["error"] and out0["error"] is not None
     assert out0["error"].startswith(f"could not write checkpoint step_00000002 under {checkpoints}: no space is left on the disk mounted at {small_disk} (")

@@ -12,6 +12,8 @@ to rounding (test_update_clip_sees_whole_tensors).
 """
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,9 +22,12 @@ from conftest import refused, zoa, zoa_here
 from distributed_harness import run_ranks
 
 from zoa_train.comm.sharding import local_shard, shard_model
+from zoa_train.evaluation.checkpoints import load_language_model
 from zoa_train.optim import OneBitAdam, ZeroOneAdam
 from zoa_train.optim.diloco import DiLoCo
 from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
+from zoa_train.train.checkpointer import read_whole
+from zoa_train.train.rundir import file_digest, read_manifest, verify_checkpoint
 
 WIDTH = 128  # a shard of a WIDTH x WIDTH weight over 2 ranks: 8192 elements, two whole scale rows
 
@@ -127,6 +132,19 @@ def _metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def _as_written_before_model_shards(run_dir, step: int, out):
+    """A copy of run `run_dir` whose checkpoint at `step` (taken at a sync) is laid out as zoa-train wrote a
+    sharded run's checkpoint before model/: the whole model, gathered, in model.pt. Returns that checkpoint."""
+    shutil.copytree(run_dir, out)
+    checkpoint = out / "checkpoints" / f"step_{step:08d}"
+    torch.save(read_whole(checkpoint / "model")["model"], checkpoint / "model.pt")
+    shutil.rmtree(checkpoint / "model")
+    marker = [line for line in (checkpoint / "COMPLETE").read_text().splitlines() if not line.startswith("file model/")]
+    marker.append(f"file model.pt {(checkpoint / 'model.pt').stat().st_size} {file_digest(checkpoint / 'model.pt')}")
+    (checkpoint / "COMPLETE").write_text("".join(line + "\n" for line in marker))
+    return checkpoint
+
+
 @pytest.mark.slow
 def test_a_sharded_run_resumes_exactly_inside_a_local_period_and_reshards_at_a_sync(tmp_path, cache_dir):
     knobs = _short(cache_dir, 8, "train.checkpoint_every=4", "optimizer.var_freeze_step=2", "optimizer.local_steps=fixed", "optimizer.local_step_interval=3")
@@ -141,10 +159,22 @@ def test_a_sharded_run_resumes_exactly_inside_a_local_period_and_reshards_at_a_s
     again = _metrics(second)
     assert [r["loss"] for r in again] == [r["loss"] for r in records[4:]]
     assert again[-1]["bits_per_param"] == records[-1]["bits_per_param"]
-    # model.pt is the whole model, as an unsharded run writes it
-    a = torch.load(first / "checkpoints" / "step_00000008" / "model.pt")
-    b = torch.load(second / "checkpoints" / "step_00000008" / "model.pt")
-    assert a["transformer.wte.weight"].shape == (4096, 128) and all(torch.equal(a[k], b[k]) for k in a)
+    # No model.pt: every rank wrote its shards (model/, in the background), each file in the marker; the
+    # checkpoint inside a local-step period holds each node's model, the one at a sync one model.
+    final, inside = first / "checkpoints" / "step_00000008", first / "checkpoints" / "step_00000004"
+    assert not (final / "model.pt").exists() and verify_checkpoint(final) is None
+    assert {f"model/__{r}_0.distcp" for r in range(4)} | {"model/.metadata"} <= set(read_manifest(final))
+    nodes = read_whole(inside / "model")
+    assert sorted(nodes) == ["node_0", "node_1"] and any(not torch.equal(nodes["node_0"][k], nodes["node_1"][k]) for k in nodes["node_0"])
+    a, b = read_whole(final / "model")["model"], read_whole(second / "checkpoints" / "step_00000008" / "model")["model"]
+    assert a["transformer.wte.weight"].shape == (4096, 128) and all(torch.equal(a[k], b[k]) for k in a)  # exact, bit for bit
+    # export and eval read the shards whole on one process: the run's model, and inside a period the nodes' average
+    loaded = load_language_model(first, "wikitext")  # the run directory: its latest checkpoint, step 8
+    assert loaded.step == 8 and loaded.averaged_ranks == 1 and all(torch.equal(v, a[k]) for k, v in loaded.model.state_dict().items())
+    averaged = load_language_model(inside)
+    assert averaged.averaged_ranks == 2 and torch.equal(
+        averaged.model.state_dict()["lm_head.weight"], (nodes["node_0"]["lm_head.weight"] + nodes["node_1"]["lm_head.weight"]) / 2
+    )
     # another layout is refused in one sentence, and continues with --reshard: the last checkpoint (a
     # sync) unsharded on 2 ranks, the same micro-batches two a step on each rank
     unsharded = ["--set", "comm.shard=none", "--set", "train.nproc=2", "--set", "train.steps=10"]
@@ -177,6 +207,13 @@ def test_adam_and_diloco_sharded_resume_exactly(tmp_path, cache_dir, name, knobs
     resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(second), "--resume", str(first / "checkpoints" / "step_00000002"), *knobs)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["loss"] for r in _metrics(second)] == [r["loss"] for r in records[2:]]
+    if name == "adam":  # a checkpoint written before model/ (HSDP's is at a sync), its model gathered in model.pt, resumes and exports alike
+        before = _as_written_before_model_shards(first, 2, tmp_path / "before")
+        resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(tmp_path / "third"), "--resume", str(before), *knobs)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        assert [r["loss"] for r in _metrics(tmp_path / "third")] == [r["loss"] for r in records[2:]]
+        old, new = load_language_model(before).model.state_dict(), load_language_model(first / "checkpoints" / "step_00000002").model.state_dict()
+        assert all(torch.equal(old[k], new[k]) for k in new)
 
 
 @pytest.mark.parametrize(
@@ -223,10 +260,47 @@ def _reshard(rank, world_size, tmp):
     )
     again.load_resharded(unsharded.shared_state_dict())  # flat buffers of whole tensors, cut into this rank's shards
     into_sharded = all(torch.equal(saved[k], v.full_tensor()) for k, v in again.parameter_state().items())
-    return len(saved), into_unsharded, into_sharded, again.schedule.step == opt.schedule.step
+    return len(saved), into_unsharded, into_sharded, again.schedule.step == opt.schedule.step, _model_shards(rank, sharded, plain, mesh, tmp)
+
+
+def _model_shards(rank, sharded, plain, mesh, tmp):
+    """The model's shards written as the trainer writes a checkpoint's model/ (RunDirectory.save, every rank
+    its own), at a sync and, with node 1's parameters moved, inside a local-step period (each node's own);
+    beside each, the whole model gathered as model.pt used to be (get_model_state_dict, full_state_dict),
+    and the shards read into the unsharded model on the 4 ranks (what --reshard does)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from zoa_train.train.checkpointer import read_shards
+    from zoa_train.train.rundir import RunDirectory, shards_key
+
+    run, node = RunDirectory(f"{tmp}-run"), rank // 2
+    gathered = []
+    for step, synced in ((1, True), (2, False)):
+        if not synced:
+            with torch.no_grad():
+                for p in sharded.parameters():
+                    local_shard(p).add_(node)  # the nodes' models differ
+        run.save(step, rank, 4, {}, {}, keep=5, synced=synced, sharded={"model": {shards_key(None if synced else node): sharded.state_dict()}})
+        gathered.append(get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True)))
+    read_shards({"model": plain.state_dict()}, run.checkpoints / "step_00000001" / "model")
+    into_plain = all(torch.equal(v, gathered[0][k]) for k, v in plain.state_dict().items())
+    return str(run.checkpoints), gathered, into_plain
 
 
 @pytest.mark.slow
 def test_a_sharded_state_reshards_into_unsharded_and_back(tmp_path):
-    for count, into_unsharded, into_sharded, same_schedule in run_ranks(_reshard, 4, str(tmp_path / "dcp"), sharded=True):
-        assert count == 9 and into_unsharded and into_sharded and same_schedule  # m, v, anchor of 3 tensors
+    from zoa_train.evaluation.checkpoints import _read_model
+
+    ranks = run_ranks(_reshard, 4, str(tmp_path / "dcp"), sharded=True)
+    for count, into_unsharded, into_sharded, same_schedule, (_, _, into_plain) in ranks:
+        assert count == 9 and into_unsharded and into_sharded and same_schedule and into_plain  # m, v, anchor of 3 tensors
+    # Read whole on one process (export, eval): what model.pt held when rank 0 gathered it, bit for bit; inside
+    # a local-step period each node's own model (node 1: ranks 2 and 3) and their average.
+    checkpoints, (at_sync, inside), _ = ranks[0][4]
+    _, (_, inside_node_1), _ = ranks[2][4]
+    state, averaged = _read_model(Path(checkpoints) / "step_00000001" / "model")
+    assert averaged == 1 and sorted(state) == sorted(at_sync) and all(torch.equal(state[k], at_sync[k]) for k in at_sync)
+    nodes = read_whole(Path(checkpoints) / "step_00000002" / "model")
+    assert all(torch.equal(nodes["node_0"][k], inside[k]) and torch.equal(nodes["node_1"][k], inside_node_1[k]) for k in inside)
+    state, averaged = _read_model(Path(checkpoints) / "step_00000002" / "model")
+    assert averaged == 2 and all(torch.equal(state[k], (inside[k] + inside_node_1[k]) / 2) for k in inside)

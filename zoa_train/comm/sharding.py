@@ -120,16 +120,10 @@ def count_fsdp_traffic(model: torch.nn.Module, ledger: CommLedger, ranks_per_nod
     model.register_forward_pre_hook(record)
 
 
-def full_model_state(model: torch.nn.Module) -> dict:
-    """The whole model's state dict on the CPU of rank 0 (other ranks: empty), gathered from its
-    shards: a checkpoint's model.pt is the same file sharded or not. A collective of every rank."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-
 def load_full_model_state(model: torch.nn.Module, state: dict) -> None:
-    """Load a whole model's state dict (every rank holds it) into the sharded `model`: each rank keeps its shards."""
+    """Load a whole model's state dict (every rank holds it) into the sharded `model`: each rank keeps its
+    shards. For checkpoints written before sharded runs saved their model as shards (a gathered model.pt);
+    a sharded run's checkpoint now holds every rank's shards (train/rundir.py, model/), read as they are."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))

@@ -3,12 +3,15 @@
 `load_language_model(path)` accepts a run directory (its latest complete checkpoint), a checkpoint
 directory, a model file inside a run directory, or a Hugging Face directory (`zoa-train export`'s
 output, or any model of a registered language family saved with save_pretrained: GPT-2, BERT, Llama).
+A checkpoint's model is its model.pt, or a sharded run's model/ (every rank's shards, written through
+torch.distributed.checkpoint), read whole here in one process without a process group.
 The model family's registry entry (zoa_train/models/registry.py) says how a checkpoint is rebuilt
 (its builder, from the run's recipe and tokenizer; from the config the run recorded in model_config/
 where the recipe alone does not name the model: model.init_from, model.hf_config), which Hugging Face
 model types it holds, and which evaluations accept it. A checkpoint taken inside a 0/1 Adam
-local-step period holds each rank's own parameters (rank_XXXXX.pt "model"); its model is then the
-ranks' average, and `averaged_ranks` says how many were averaged.
+local-step period holds each rank's own parameters (rank_XXXXX.pt "model"; a sharded run's, each
+node's under model/node_N); its model is then their average, and `averaged_ranks` says how many
+were averaged.
 """
 
 import dataclasses
@@ -159,13 +162,13 @@ def _from_recorded_config(directory: Path, kind: str) -> torch.nn.Module:
 
 
 def _read_state(path: Path):
-    """(model file, its run directory, the model's state, ranks averaged, the checkpoint's step or None)
-    of what `path` names."""
+    """(model file or directory, its run directory, the model's state, ranks averaged, the checkpoint's step
+    or None) of what `path` names."""
     from zoa_train.train.rundir import resolve_model_file
 
     model_file, run = resolve_model_file(path)
     try:
-        held = _hold(model_file)
+        state, ranks = _read_model(model_file)
     except FileNotFoundError:
         # A run still training rotates its checkpoints: the latest one may be gone by now. Once more, the
         # newest complete one, whose files are then held open (a removal cannot take them away).
@@ -174,9 +177,25 @@ def _read_state(path: Path):
         gone = model_file.parent
         model_file, run = resolve_model_file(path)
         log.warning("checkpoint %s was removed while it was being read (the run is rotating its checkpoints); reading %s instead", gone, model_file.parent)
-        held = _hold(model_file)
+        state, ranks = _read_model(model_file)
     step = _step(model_file.parent)
-    return model_file, run, *_averaged_state(held), step
+    return model_file, run, state, ranks, step
+
+
+def _read_model(model_file: Path) -> tuple[dict, int]:
+    """The model's state and how many ranks' (nodes') models were averaged into it: model.pt, or the ranks'
+    own models beside it where they differ; a sharded model directory's one model, or its nodes' average."""
+    if model_file.is_dir():
+        from zoa_train.train.checkpointer import read_whole
+
+        models = read_whole(model_file)
+        if "model" in models:
+            return models["model"], 1
+        nodes = [models[key] for key in sorted((k for k in models if k.startswith("node_")), key=lambda k: int(k.removeprefix("node_")))]
+        if not nodes:
+            raise UserError(f"{model_file} holds no model (neither model nor node_N).")
+        return _average(nodes), len(nodes)
+    return _averaged_state(_hold(model_file))
 
 
 def _step(checkpoint: Path) -> int | None:
@@ -221,13 +240,18 @@ def _averaged_state(held: dict[Path, object]) -> tuple[dict, int]:
             f.close()
     if not per_rank:
         return state, 1
+    return _average(per_rank), len(per_rank)
+
+
+def _average(states: list[dict]) -> dict:
+    """The models' average: floats averaged, integer buffers taken from the first."""
     averaged = {}
-    for key, value in per_rank[0].items():
+    for key, value in states[0].items():
         if value.is_floating_point():
-            averaged[key] = torch.stack([s[key].float() for s in per_rank]).mean(dim=0).to(value.dtype)
+            averaged[key] = torch.stack([s[key].float() for s in states]).mean(dim=0).to(value.dtype)
         else:
             averaged[key] = value
-    return averaged, len(per_rank)
+    return averaged
 
 
 def _read(file: Path, opened):

@@ -1,21 +1,32 @@
 """The run directory: one object owns its layout, its preparation in every launch mode, and its checkpoints.
 
-Layout (rank 0 writes everything except each rank's own checkpoint file):
+Layout (rank 0 writes everything except each rank's own checkpoint files):
   recipe.yaml            the resolved recipe (what the run trains with now)
   recipe_changes.yaml    the keys changed on resumes, each with the step it took effect at (train/resume_rules.py)
   model_config/          the model's Hugging Face config, for a model from model.init_from or model.hf_config
   metrics.jsonl          one JSON record per log step (zoa_train/runs.py reads it)
   tensorboard/, wandb/   when enabled
   tokenizer/ or classes.json   what the task needs beside the model (the task writes it)
-  checkpoints/step_00000100/   model.pt, optimizer.pt and trainer.pt (rank 0: what is the same on every
-                               rank, saved once), rank_00000.pt, rank_00001.pt, ... (what is each
-                               rank's own: 1-bit error buffers, data position, RNG states, and inside
-                               a 0/1 Adam local-step period its parameters and momentum), COMPLETE
+  checkpoints/step_00000100/   trainer.pt and optimizer.pt (rank 0: what is the same on every rank, saved
+                               once), model.pt (rank 0: the whole model; unsharded runs), model/ (a
+                               sharded run's model: every rank writes its shards, torch.distributed.checkpoint),
+                               optimizer/ (a sharded run's optimizer state per parameter, at a sync, the same
+                               way), rank_00000.pt, rank_00001.pt, ... (what is each rank's own: 1-bit
+                               error buffers, data position, RNG states, and inside a 0/1 Adam local-step
+                               period an unsharded run's parameters and momentum), COMPLETE
 
 A checkpoint is first written under `step_00000100.tmp/`; after every rank has written, rank 0
 writes the COMPLETE marker and renames the directory, so a checkpoint is either whole or
 invisible, and every file goes through a temporary name and fsync. Only complete checkpoints are
-ever loaded or counted.
+ever loaded or counted. The trainer saves in the background (save_in_background): the state is
+copied to host memory at the step that saves, and a thread of each rank writes it, agrees with the
+others over a Gloo group of its own and, on rank 0, publishes it while training goes on; one write
+at a time (a save waits for the previous one), and the run's end, a stop and a read of `latest`
+wait for it (train/checkpointer.py).
+
+Inside a local-step period (COMPLETE says `synced 0`) the ranks' models differ: an unsharded run's
+rank files hold each rank's own, and a sharded run's model/ holds each node's under `node_N`
+(`model` when they are one model).
 
 Preparation runs on every rank whatever started it (`zoa-train run`, torchrun, srun): rank 0
 decides (refuses a non-empty directory without --overwrite or --resume, empties it with
@@ -23,12 +34,13 @@ decides (refuses a non-empty directory without --overwrite or --resume, empties 
 run trims metrics.jsonl back to its step only after every rank has loaded the checkpoint: every
 check that can refuse a resume comes before anything in the directory changes.
 
-Integrity: every file of a checkpoint is hashed (SHA-256) right after it is written; each rank
-other than 0 leaves its file's size and digest in a sidecar (rank_00001.pt.sha256) that rank 0
-folds into the COMPLETE marker as `file NAME SIZE SHA256` lines beside `step` and `world_size`.
-Resuming checks sizes, then hashes (rank 0, a few threads): `--resume auto` skips a damaged
-newest checkpoint for the previous intact one with a warning, `--resume PATH` to a damaged one is
-a UserError naming the file. Markers written before checksums existed are trusted as they are.
+Integrity: every file of a checkpoint is hashed (SHA-256) by the rank that wrote it, right after
+writing; rank 0 gathers the ranks' sizes and digests and writes them into the COMPLETE marker as
+`file NAME SIZE SHA256` lines (NAME relative to the checkpoint, e.g. model/__1_0.distcp) beside
+`step` and `world_size`. Resuming checks sizes, then hashes (rank 0, a few threads): `--resume auto`
+skips a damaged newest checkpoint for the previous intact one with a warning, `--resume PATH` to a
+damaged one is a UserError naming the file. Markers written before checksums existed are trusted as
+they are.
 
 A failed write (disk full, ...) is agreed on by every rank and stops the run with one sentence;
 the staging directory is dropped and the earlier checkpoints are untouched (older ones are pruned
@@ -52,19 +64,23 @@ import shutil
 import socket
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from zoa_train.errors import UserError
 from zoa_train.files import check_directory, make_directory
+from zoa_train.train.checkpointer import BackgroundWrite, failure_of, host_copy, write_shards
 
 MARKER = "COMPLETE"
 METRICS = "metrics.jsonl"
 LOCK = ".lock"
-SIDECAR = ".sha256"
+MODEL_SHARDS = "model"  # a sharded run's model: a torch.distributed.checkpoint directory of every rank's shards
+MODEL_FILES = {"model.pt", MODEL_SHARDS + "/"}  # what reading a checkpoint's model reads (a name ending in / : the files below it)
 _CHUNK = 1 << 20
 _CHECKPOINT_NAME = re.compile(r"step_\d+")
 # Less free space than this after a failed write: the disk is full (torch.save's RuntimeError carries no errno).
@@ -75,6 +91,12 @@ log = logging.getLogger(__name__)
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def shards_key(node: int | None) -> str:
+    """The key a sharded checkpoint's model/ holds a model under: "model" where every node holds the same
+    one, "node_N" for node N's own inside a local-step period (node None)."""
+    return "model" if node is None else f"node_{node}"
 
 
 def file_digest(path: Path) -> str:
@@ -153,8 +175,8 @@ def read_manifest(checkpoint: Path) -> dict[str, tuple[int, str]]:
 
 def verify_checkpoint(checkpoint: Path, hashes: bool = True, names: set[str] | None = None) -> str | None:
     """None when a complete checkpoint is intact, else what is wrong, naming the file: every recorded
-    file must exist with its recorded size; with `hashes`, those in `names` (all by default) must
-    also match their SHA-256."""
+    file must exist with its recorded size; with `hashes`, those in `names` (all by default; a name
+    ending in / stands for every file below it) must also match their SHA-256."""
     try:
         read_marker(checkpoint)
         manifest = read_manifest(checkpoint)
@@ -168,7 +190,7 @@ def verify_checkpoint(checkpoint: Path, hashes: bool = True, names: set[str] | N
         if actual != size:
             return f"{path} has {actual} bytes where {size} were written"
     if hashes:
-        todo = [name for name in manifest if names is None or name in names]
+        todo = [name for name in manifest if names is None or name in names or any(n.endswith("/") and name.startswith(n) for n in names)]
         with ThreadPoolExecutor(max_workers=max(1, min(8, len(todo), os.cpu_count() or 1))) as pool:
             digests = list(pool.map(lambda name: file_digest(checkpoint / name), todo))
         for name, digest in zip(todo, digests):
@@ -214,6 +236,8 @@ class RunDirectory:
         self.checkpoints = self.path / "checkpoints"
         self._lock = None  # the open .lock file while this object holds the run directory
         self._created = False  # whether taking the lock created the directory
+        self._writing: BackgroundWrite | None = None  # the checkpoint being written in the background
+        self._group = None  # the background writes' process group (Gloo), made by the first one
 
     # ---- the lock ------------------------------------------------------------------------------
 
@@ -264,7 +288,17 @@ class RunDirectory:
     def close(self) -> None:
         """Release the run directory's lock (idempotent; the lock file stays: removing it would let
         two jobs lock two different files). A directory this job created and left holding only the lock
-        (a run refused once its ranks had started) is removed, while still locked: no trace of it."""
+        (a run refused once its ranks had started) is removed, while still locked: no trace of it. A
+        checkpoint still being written is waited for first (published, or its error said in the log)."""
+        writing, self._writing = self._writing, None
+        if writing is not None:
+            writing.settle()
+            if writing.error is not None:
+                log.warning(
+                    "checkpoint %s was not published: %s",
+                    writing.name,
+                    str(writing.error).strip().splitlines()[0] if str(writing.error).strip() else type(writing.error).__name__,
+                )
         if self._lock is not None:
             if self._created and self.path.is_dir() and all(p.name == LOCK for p in self.path.iterdir()):
                 shutil.rmtree(self.path, ignore_errors=True)
@@ -284,7 +318,10 @@ class RunDirectory:
 
     def latest(self, hashes: bool = True, names: set[str] | None = None) -> Path | None:
         """The newest complete checkpoint whose files are intact (see verify_checkpoint), or None;
-        a damaged one is skipped, with a warning, for the previous one."""
+        a damaged one is skipped, with a warning, for the previous one. A checkpoint being written in the
+        background by this object is waited for first."""
+        if self._writing is not None:
+            self._writing.settle()
         for checkpoint in reversed(complete_checkpoints(self.checkpoints)):
             problem = verify_checkpoint(checkpoint, hashes, names)
             if problem is None:
@@ -385,14 +422,15 @@ class RunDirectory:
         shared_files: dict[str, object],
         keep: int,
         synced: bool = True,
-        write_together: Callable[[Path], None] | None = None,
+        sharded: dict[str, dict] | None = None,
+        group=None,
     ) -> Path:
-        """Collective: every rank writes `rank_state` as rank_XXXXX.pt; rank 0 also writes each of
-        `shared_files` (name -> object, e.g. model.pt), then publishes the checkpoint, its files'
-        sizes and SHA-256 in the marker, and drops all but the newest `keep`. `write_together(staged)`,
-        a collective every rank calls, writes more into the staged checkpoint (a sharded state through
-        torch.distributed.checkpoint). A write that fails on any rank raises the same UserError on
-        every rank and leaves the earlier checkpoints as they were."""
+        """Collective over `group` (None: the default group): every rank writes `rank_state` as
+        rank_XXXXX.pt and its shards of each of `sharded` (directory name -> state dict, e.g. a sharded
+        run's model/, through torch.distributed.checkpoint); rank 0 also writes each of `shared_files`
+        (name -> object, e.g. model.pt), then publishes the checkpoint, its files' sizes and SHA-256 in
+        the marker, and drops all but the newest `keep`. A write that fails on any rank raises the same
+        UserError on every rank and leaves the earlier checkpoints as they were."""
         name = checkpoint_name(step)
         staged = self.checkpoints / (name + ".tmp")
         final = self.checkpoints / name
@@ -403,40 +441,76 @@ class RunDirectory:
                 staged.mkdir(parents=True)
             except OSError as e:
                 error = self._save_error(name, e)
-        error = agree(error)
+        error = agree(error, group)
+        recorded: dict[str, tuple[int, str]] = {}  # name -> (size, SHA-256) of each file this rank wrote
         if error is None:
             own = f"rank_{rank:05d}.pt"
             try:
-                if write_together is not None:
-                    write_together(staged)
-                recorded = {own: save_file(rank_state, staged / own)}
+                for directory, state in (sharded or {}).items():
+                    for file in write_shards(state, staged / directory, group):
+                        recorded[f"{directory}/{file.name}"] = (file.stat().st_size, file_digest(file))
+                recorded[own] = save_file(rank_state, staged / own)
                 if rank == 0:
                     for shared, obj in shared_files.items():
                         recorded[shared] = save_file(obj, staged / shared)
-                else:  # rank 0 folds it into the marker: each rank hashes only its own file
-                    size, digest = recorded[own]
-                    _write_synced(staged / (own + SIDECAR), f"{size} {digest}\n")
-            except (OSError, RuntimeError) as e:  # torch.save reports a failed write (a full disk) as a RuntimeError
-                error = self._save_error(name, e)
-            error = agree(error)
+            # torch.save reports a failed write (a full disk) as a RuntimeError; DCP a failure on any rank as a
+            # CheckpointException on every rank
+            except (OSError, RuntimeError, CheckpointException) as e:
+                error = self._save_error(name, failure_of(e))
+        error, everyone = _gather(error, recorded, group)
         if error is None and rank == 0:
             try:
-                self._publish(staged, final, step, world_size, recorded, synced)
+                self._publish(staged, final, step, world_size, everyone, synced)
             except OSError as e:
                 error = self._save_error(name, e)
             except _MissingRanks as e:
                 error = f"could not write checkpoint {name} under {self.checkpoints}: {e}; the earlier checkpoints are untouched."
-        error = agree(error)
+        error = agree(error, group)
         if error is not None:
             if rank == 0:
                 shutil.rmtree(staged, ignore_errors=True)
-            _barrier()  # every rank sees the directory as it was before this save
+            _barrier(group)  # every rank sees the directory as it was before this save
             raise UserError(error)
-        if rank == 0:  # only now that the new checkpoint is complete
-            for old in complete_checkpoints(self.checkpoints)[:-keep]:
+        if rank == 0:  # only now that the new checkpoint is complete; and what a crash left staged
+            for old in [*complete_checkpoints(self.checkpoints)[:-keep], *self.checkpoints.glob("step_*.tmp")]:
                 shutil.rmtree(old, ignore_errors=True)
-        _barrier()
+        _barrier(group)
         return final
+
+    def save_in_background(
+        self,
+        step: int,
+        rank: int,
+        world_size: int,
+        rank_state: dict,
+        shared_files: dict[str, object],
+        keep: int,
+        synced: bool = True,
+        sharded: dict[str, dict] | None = None,
+        timeout_s: float | None = None,
+        on_failure: Callable[[], None] | None = None,
+    ) -> None:
+        """`save` without making the caller wait for the files: on every rank, once the previous background
+        save is published (its error raised here, the same on every rank), the state is copied to host
+        memory and a thread of its own writes, agrees and publishes it over a Gloo group made once (its
+        collectives never meet the training's; `timeout_s`, its timeout), while the caller goes on.
+        `on_failure()` is called on that thread when the write failed; wait_for_save() raises its error."""
+        self.wait_for_save()
+        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+        storages: dict = {}  # one copy of a storage several tensors share
+        rank_state, shared_files, sharded = (host_copy(part, storages) for part in (rank_state, shared_files, sharded or {}))
+
+        def write() -> Path:
+            return self.save(step, rank, world_size, rank_state, shared_files, keep, synced, sharded, self._group)
+
+        self._writing = BackgroundWrite(checkpoint_name(step), write, on_failure)
+
+    def wait_for_save(self) -> Path | None:
+        """Wait for the checkpoint being written in the background: the published checkpoint (None when
+        none was), or its error raised, the same UserError on every rank (every rank's writer agreed on it)."""
+        writing, self._writing = self._writing, None
+        return writing.wait() if writing is not None else None
 
     def _save_error(self, name: str, e: Exception) -> str:
         """One sentence for a failed checkpoint write: a full disk named by where it is mounted."""
@@ -451,23 +525,18 @@ class RunDirectory:
         return f"could not write checkpoint {name} under {self.checkpoints}: {why}; its staged files are removed and the earlier checkpoints are untouched."
 
     def _publish(self, staged: Path, final: Path, step: int, world_size: int, recorded: dict[str, tuple[int, str]], synced: bool = True) -> None:
-        """Rank 0: fold the ranks' sidecars into the marker, then make the checkpoint visible."""
+        """Rank 0: write every rank's files' sizes and digests into the marker, then make the checkpoint visible."""
         missing = [r for r in range(world_size) if not (staged / f"rank_{r:05d}.pt").is_file()]
         if missing:
             raise _MissingRanks(f"the state of ranks {missing} is missing")
-        recorded = dict(recorded)
-        for r in range(1, world_size):
-            own = f"rank_{r:05d}.pt"
-            sidecar = staged / (own + SIDECAR)
-            size, _, digest = sidecar.read_text().strip().partition(" ") if sidecar.is_file() else ("", "", "")
-            if not size.isdigit() or not digest:
-                raise _MissingRanks(f"the checksum of rank {r}'s file is missing")
-            recorded[own] = (int(size), digest)
-            sidecar.unlink()
+        absent = [n for n in recorded if not (staged / n).is_file()]
+        if absent:  # written where rank 0 does not see it (a directory that is not shared between the nodes)
+            raise _MissingRanks(f"{absent[0]} is missing")
         lines = [f"step {step}", f"world_size {world_size}", f"synced {int(synced)}"]  # synced 0: inside a local-step period
         lines += [f"file {n} {size} {digest}" for n, (size, digest) in sorted(recorded.items())]
         _write_synced(staged / MARKER, "".join(line + "\n" for line in lines))
-        _fsync_dir(staged)
+        for directory in [staged, *(p for p in staged.iterdir() if p.is_dir())]:  # the sharded parts' entries too
+            _fsync_dir(directory)
         aside = None
         if final.exists():  # the same step saved again: keep the old one until the new one is in place
             aside = final.with_name(final.name + ".replaced")
@@ -523,44 +592,58 @@ class _MissingRanks(Exception):
     pass
 
 
-def agree(error: str | None) -> str | None:
-    """Collective: the first rank's error message (by rank), the same on every rank, or None."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, error)
-        return next((e for e in gathered if e is not None), None)
-    return error
+def agree(error: str | None, group=None) -> str | None:
+    """Collective over `group` (None: the default group): the first rank's error message (by rank), the same on every rank, or None."""
+    return _gather(error, {}, group)[0]
 
 
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+def _gather(error: str | None, recorded: dict, group=None) -> tuple[str | None, dict]:
+    """Collective: the first rank's error (by rank) and the union of every rank's `recorded`, the same on every rank."""
+    gathered: list = [(error, recorded)]
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        gathered = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, (error, recorded), group=group)
+    union = {}
+    for _, theirs in gathered:
+        union.update(theirs)
+    return next((e for e, _ in gathered if e is not None), None), union
+
+
+def _barrier(group=None) -> None:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
 
 
 def resolve_model_file(path: str | Path) -> tuple[Path, "RunDirectory | None"]:
-    """What `--checkpoint` may name, as (model file, the run directory it belongs to or None): a run
-    directory (its latest complete checkpoint's model.pt), a checkpoint directory, or a model file."""
+    """What `--checkpoint` may name, as (the model's file or directory, the run directory it belongs to or
+    None): a run directory (its latest complete checkpoint's model), a checkpoint directory, a model file,
+    or a sharded model directory. A checkpoint's model is its model.pt, or a sharded run's model/."""
     path = Path(path)
-    if path.is_file():
+    if path.is_file() or (path / ".metadata").is_file():  # a model file, or a sharded model's directory
         model = path
     elif (path / MARKER).is_file():
-        model = path / "model.pt"
-        problem = verify_checkpoint(path, names={"model.pt"})
+        problem = verify_checkpoint(path, names=MODEL_FILES)
         if problem is not None:
             raise UserError(f"checkpoint {path} is damaged: {problem}.")
+        model = model_of(path)
     elif path.is_dir() and (path / "checkpoints").exists():
-        latest = RunDirectory(path).latest(names={"model.pt"})  # only the model file is read
+        latest = RunDirectory(path).latest(names=MODEL_FILES)  # only the model's files are read
         if latest is None:
             raise UserError(f"run directory {path} has no intact complete checkpoint.")
-        model = latest / "model.pt"
+        model = model_of(latest)
     elif path.is_dir():
         raise UserError(f"{path} is neither a run directory, a complete checkpoint nor a model file.")
     else:
         raise UserError(f"--checkpoint {path}: no such file or directory.")
-    if not model.is_file():
+    if not model.exists():
         raise UserError(f"checkpoint {model.parent} has no model.pt.")
-    # model.pt lies in <run>/checkpoints/step_N/: the run directory holds the recipe and classes.
+    # the model lies in <run>/checkpoints/step_N/: the run directory holds the recipe and classes.
     for candidate in (model.parent, *model.parents[:3]):
         if (candidate / "recipe.yaml").is_file():
             return model, RunDirectory(candidate)
     return model, None
+
+
+def model_of(checkpoint: Path) -> Path:
+    """A checkpoint's model: model/ (a sharded run's shards) where it has one, else model.pt."""
+    return checkpoint / MODEL_SHARDS if (checkpoint / MODEL_SHARDS).is_dir() else checkpoint / "model.pt"

@@ -24,11 +24,10 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import yaml
 
 from zoa_train.comm import ClusterCollective, OneBitAllReduce, TopologyChanged
-from zoa_train.comm.sharding import full_model_state, load_full_model_state, local_shard, node_sharding
+from zoa_train.comm.sharding import load_full_model_state, local_shard, node_sharding
 from zoa_train.config import CommConfig, Recipe, check_batch_layout, recipe_from_dict
 from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import STOP_SIGNALS, init_process_group, restart_count, threads_per_rank
@@ -39,10 +38,11 @@ from zoa_train.optim import registry
 from zoa_train.precision import autocast
 from zoa_train.tasks import build_task
 from zoa_train.train import resume_rules
+from zoa_train.train.checkpointer import read_shards, shard_shapes
 from zoa_train.train.loss_scaling import LossScaler
 from zoa_train.train.metrics import LogWindow, MetricsLogger
 from zoa_train.train.monitor import RankMonitor
-from zoa_train.train.rundir import RunDirectory, agree, complete_checkpoints, read_marker
+from zoa_train.train.rundir import MODEL_SHARDS, RunDirectory, agree, complete_checkpoints, read_marker, shards_key
 
 log = logging.getLogger(__name__)
 
@@ -348,9 +348,11 @@ class Trainer:
                 self.wall_offset = time.perf_counter() - started
                 self.save()
             if stopping:
+                self.run_dir.wait_for_save()  # published before the rank exits
                 log.warning("stopped at step %d on a termination signal, after a complete checkpoint", self.step)
                 return {"preempted": True, "step": self.step, "run_dir": str(self.run_dir.path)}
             window.exclude(time.perf_counter() - paused)
+        self.run_dir.wait_for_save()  # the last checkpoint published before the run ends
         if not self.is_main:
             return None
         summary = {"step": self.step, **train_record, **val_record, "wall_time": time.perf_counter() - started}
@@ -482,7 +484,11 @@ class Trainer:
     # ---- checkpoints --------------------------------------------------------------------------
 
     def save(self) -> None:
+        """Checkpoint this step in the background (RunDirectory.save_in_background): the step waits for the
+        previous checkpoint's write and for this one's copy to host memory, not for its files. A sharded
+        run's model is written by every rank, its own shards (model/), never gathered."""
         self.opt.average_statistics()
+        synced = not self.opt.parameters_differ  # inside a local-step period each rank's (each node's) parameters differ
         rank_state = {
             "optimizer": self.opt.rank_state_dict(),
             "loader": self.batches.state_dict(),
@@ -494,15 +500,20 @@ class Trainer:
                 "python": random.getstate(),
             },
         }
-        if self.opt.parameters_differ:  # inside a local-step period each rank's (each node's) parameters differ
-            rank_state["model"] = {k: local_shard(v).clone() for k, v in self.model.state_dict().items()} if self.sharding else self.model.state_dict()
-        if self.sharding:  # sharded: the optimizer's state is this rank's shard's, so each rank keeps all of it
+        sharded = {}
+        if self.sharding:  # the optimizer's state is this rank's shard's, so each rank keeps all of it
             rank_state["optimizer_shared"] = self.opt.shared_state_dict()
-        model = full_model_state(self.model) if self.sharding else self.model.state_dict()  # sharded: a collective
+            sharded[MODEL_SHARDS] = {shards_key(None if synced else self.sharding.node): self.model.state_dict()}
+            # At a sync, the optimizer's state per parameter too, which --reshard loads into another layout
+            # (the rank files' flat buffers fit this layout only).
+            if synced and hasattr(self.opt.optimizer, "parameter_state"):
+                sharded[SHARDED_STATE] = {"optimizer": self.opt.optimizer.parameter_state()}
+        elif not synced:
+            rank_state["model"] = self.model.state_dict()
         shared = {}
         if self.is_main:
-            shared = {
-                "model.pt": model,
+            shared = {} if self.sharding else {"model.pt": self.model.state_dict()}
+            shared |= {
                 "optimizer.pt": self.opt.shared_state_dict(),
                 "trainer.pt": {
                     "step": self.step,
@@ -515,16 +526,12 @@ class Trainer:
                     "recipe_changes": self.recipe_changes,
                 },
             }
-        # Sharded at a sync: the optimizer's state per parameter, each rank writing its shards, which
-        # --reshard loads into another layout (the rank files' flat buffers fit this layout only).
-        write_together = None
-        if self.sharding and not self.opt.parameters_differ and hasattr(self.opt.optimizer, "parameter_state"):
 
-            def write_together(staged: Path) -> None:
-                dcp.save({"optimizer": self.opt.optimizer.parameter_state()}, checkpoint_id=staged / SHARDED_STATE)
+        def failed() -> None:  # on the writer's thread: every rank stops at one agreed step, whose save raises the error
+            self.stop_requested = True
 
-        keep, synced = self.recipe.train.keep_checkpoints, not self.opt.parameters_differ
-        self.run_dir.save(self.step, self.rank, self.world, rank_state, shared, keep, synced, write_together)
+        t = self.recipe.train
+        self.run_dir.save_in_background(self.step, self.rank, self.world, rank_state, shared, t.keep_checkpoints, synced, sharded, t.timeout_s, failed)
 
     def _load(self, path: Path) -> None:
         # Everything is read to the CPU and copied into place: loading onto the GPU would hold
@@ -544,9 +551,12 @@ class Trainer:
                     "resume with the comm.shard and node layout that wrote it, or pass --reshard to continue with the error buffers at zero."
                 )
             resharded = True
-        self._load_model(path, load(path, "model.pt"))
+        if (path / MODEL_SHARDS).is_dir():  # a sharded run's: every rank reads what it holds of it, in any layout
+            self._load_model_shards(path, self.sharding.node if self.sharding and not resharded else 0)
+        else:
+            self._load_model(path, load(path, "model.pt"))
         mine = load(path, f"rank_{min(self.rank, saved_world - 1):05d}.pt")
-        if "model" in mine and not resharded:
+        if "model" in mine and not resharded:  # inside a local-step period: this rank's own (a sharded run's shards, before model/)
             self._load_model(path, mine["model"], local=bool(self.sharding))
         groups = self.opt.optimizer.param_groups
         built = copy.deepcopy([{k: v for k, v in group.items() if k != "params"} for group in groups])  # the recipe's settings
@@ -560,7 +570,7 @@ class Trainer:
                     resharded = True
             if resharded:  # refuses a checkpoint inside a local-step period (rank files then hold their own models)
                 per_parameter = path / SHARDED_STATE  # a sharded run's optimizer state, saved by torch.distributed.checkpoint
-                loader = (lambda targets: dcp.load({"optimizer": targets}, checkpoint_id=per_parameter)) if per_parameter.is_dir() else None
+                loader = (lambda targets: read_shards({"optimizer": targets}, per_parameter)) if per_parameter.is_dir() else None
                 self.opt.load_resharded(load(path, "optimizer.pt"), loader)
         except (ValueError, KeyError) as e:  # another optimizer, model size, 1-bit layout or topology
             raise UserError(f"cannot resume from {path}: {e}.") from None
@@ -606,23 +616,35 @@ class Trainer:
         if local:
             torch._foreach_copy_([local_shard(v) for v in self.model.state_dict().values()], list(state.values()))
             return
-        own = self.model.state_dict()
-        missing = [k for k in own if k not in state]
-        unexpected = [k for k in state if k not in own]
-        reshaped = [k for k in own if k in state and tuple(state[k].shape) != tuple(own[k].shape)]
+        self._check_model(path, {k: tuple(v.shape) for k, v in state.items()})
+        if self.sharding:
+            load_full_model_state(self.model, state)
+        else:
+            self.model.load_state_dict(state)
+
+    def _load_model_shards(self, path: Path, node: int) -> None:
+        """Read a sharded checkpoint's model (model/) into this model, sharded or not: the one model at a
+        sync, else node `node`'s own; refused in one sentence if it is another model."""
+        saved = shard_shapes(path / MODEL_SHARDS)
+        key = shards_key(None) if shards_key(None) in saved else shards_key(node)
+        self._check_model(path, saved.get(key, {}))
+        read_shards({key: self.model.state_dict()}, path / MODEL_SHARDS)  # in place: the values are the parameters (their shards)
+
+    def _check_model(self, path: Path, shapes: dict[str, tuple[int, ...]]) -> None:
+        """Refuse, in one sentence, a checkpoint whose model (name -> whole shape) is not this one."""
+        own = {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+        missing = [k for k in own if k not in shapes]
+        unexpected = [k for k in shapes if k not in own]
+        reshaped = [k for k in own if k in shapes and shapes[k] != own[k]]
         if missing or unexpected or reshaped:
             if reshaped:
-                first = f"{reshaped[0]} is {list(state[reshaped[0]].shape)} there and {list(own[reshaped[0]].shape)} here"
+                first = f"{reshaped[0]} is {list(shapes[reshaped[0]])} there and {list(own[reshaped[0]])} here"
             else:
                 first = f"{missing[0]} is not in it" if missing else f"{unexpected[0]} is not in this model"
             raise UserError(
                 f"cannot resume from {path}: it holds another model ({len(missing)} tensors missing, {len(unexpected)} extra, "
                 f"{len(reshaped)} of another shape; {first}); resume with the model section of the recipe that wrote it."
             )
-        if self.sharding:
-            load_full_model_state(self.model, state)
-        else:
-            self.model.load_state_dict(state)
 
     def close(self) -> None:
         try:
