@@ -289,7 +289,7 @@ def _model_shards(rank, sharded, plain, mesh, tmp):
 
 @pytest.mark.slow
 def test_a_sharded_state_reshards_into_unsharded_and_back(tmp_path):
-    from zoa_train.evaluation.checkpoints import _read_model
+    from zoa_train.evaluation.checkpoints import read_model_state
 
     ranks = run_ranks(_reshard, 4, str(tmp_path / "dcp"), sharded=True)
     for count, into_unsharded, into_sharded, same_schedule, (_, _, into_plain) in ranks:
@@ -298,9 +298,31 @@ def test_a_sharded_state_reshards_into_unsharded_and_back(tmp_path):
     # a local-step period each node's own model (node 1: ranks 2 and 3) and their average.
     checkpoints, (at_sync, inside), _ = ranks[0][4]
     _, (_, inside_node_1), _ = ranks[2][4]
-    state, averaged = _read_model(Path(checkpoints) / "step_00000001" / "model")
+    state, averaged = read_model_state(Path(checkpoints) / "step_00000001" / "model")
     assert averaged == 1 and sorted(state) == sorted(at_sync) and all(torch.equal(state[k], at_sync[k]) for k in at_sync)
     nodes = read_whole(Path(checkpoints) / "step_00000002" / "model")
     assert all(torch.equal(nodes["node_0"][k], inside[k]) and torch.equal(nodes["node_1"][k], inside_node_1[k]) for k in inside)
-    state, averaged = _read_model(Path(checkpoints) / "step_00000002" / "model")
+    state, averaged = read_model_state(Path(checkpoints) / "step_00000002" / "model")
     assert averaged == 2 and all(torch.equal(state[k], (inside[k] + inside_node_1[k]) / 2) for k in inside)
+
+
+@pytest.mark.slow  # a 2-rank ResNet run sharded, then eval imagenet of its checkpoint
+def test_eval_imagenet_reads_a_sharded_image_run_s_model_directory(tmp_path, cache_dir):
+    """A sharded run writes model/ (each rank's shards), not model.pt: eval imagenet reads it whole in one process."""
+    import json
+
+    from conftest import zoa
+
+    from zoa_train.data.images import prepare_digits
+
+    sets = ["train.steps=2", "train.log_every=1", "train.val_every=0", "train.val_batches=1", "logging.wandb=disabled", "logging.tensorboard=false"]
+    sets += [f"data.cache_dir={cache_dir}", "data.workers=0", "comm.shard=node", "comm.ranks_per_node=2", "train.micro_batch_size=16"]
+    done = zoa("run", "recipes/resnet18_tiny.yaml", "--nproc", "2", "--out", str(tmp_path / "run"), *[a for s in sets for a in ("--set", s)])
+    assert done.returncode == 0, done.stderr[-3000:]
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
+    assert (checkpoint / "model").is_dir() and not (checkpoint / "model.pt").exists()
+    data = prepare_digits(cache_dir) / "val"
+    scored = zoa("eval", "imagenet", "--checkpoint", str(tmp_path / "run"), "--data", str(data), "--workers", "0", "--json", str(tmp_path / "eval.json"))
+    assert scored.returncode == 0, scored.stderr[-3000:]
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert 0 <= result["top1"] <= 1 and result["checkpoint"].endswith("model"), result

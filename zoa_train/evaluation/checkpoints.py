@@ -168,7 +168,7 @@ def _read_state(path: Path):
 
     model_file, run = resolve_model_file(path)
     try:
-        state, ranks = _read_model(model_file)
+        state, ranks = read_model_state(model_file)
     except FileNotFoundError:
         # A run still training rotates its checkpoints: the latest one may be gone by now. Once more, the
         # newest complete one, whose files are then held open (a removal cannot take them away).
@@ -177,12 +177,12 @@ def _read_state(path: Path):
         gone = model_file.parent
         model_file, run = resolve_model_file(path)
         log.warning("checkpoint %s was removed while it was being read (the run is rotating its checkpoints); reading %s instead", gone, model_file.parent)
-        state, ranks = _read_model(model_file)
+        state, ranks = read_model_state(model_file)
     step = _step(model_file.parent)
     return model_file, run, state, ranks, step
 
 
-def _read_model(model_file: Path) -> tuple[dict, int]:
+def read_model_state(model_file: Path) -> tuple[dict, int]:
     """The model's state and how many ranks' (nodes') models were averaged into it: model.pt, or the ranks'
     own models beside it where they differ; a sharded model directory's one model, or its nodes' average."""
     if model_file.is_dir():

@@ -31,7 +31,7 @@ def evaluate_imagenet(
     from zoa_train.config import model_section
     from zoa_train.data.images import eval_transform, image_validation_batches, scan_image_folder
     from zoa_train.distributed import evaluation_ranks
-    from zoa_train.evaluation.checkpoints import run_recipe
+    from zoa_train.evaluation.checkpoints import read_model_state, run_recipe
     from zoa_train.models import ModelInputs, create
     from zoa_train.models import registry as models
     from zoa_train.tasks.base import evaluate_batches
@@ -63,7 +63,9 @@ def evaluate_imagenet(
             raise UserError(f"{data} has class folders the model was not trained on ({', '.join(unknown[:5])}); they must match {classes_file}.")
         samples = [(path, index[folder_classes[label]]) for path, label in samples]
     try:
-        state = torch.load(model_file, map_location="cpu", weights_only=True)
+        state = (
+            read_model_state(model_file)[0] if model_file.is_dir() else torch.load(model_file, map_location="cpu", weights_only=True)
+        )  # a sharded run's model/
         model = create(model_section()(kind=kind), ModelInputs(num_classes=state["fc.weight"].shape[0]))
         model.load_state_dict(state)
     except Exception as e:  # noqa: BLE001 -- whatever torch.load or the state dict raise, the file is not this model
