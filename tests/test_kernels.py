@@ -298,6 +298,7 @@ def test_without_a_compiler_the_torch_path_runs_and_the_first_rank_names_the_com
 
     monkeypatch.setenv("CXX", "/nonexistent/g++")  # cpp_extension's compiler; the ranks inherit it
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # the build cache the other tests use is left alone
+    monkeypatch.delenv("LOCAL_RANK", raising=False)  # each rank then finds its place from its group, as without a launcher
     ranks = run_ranks(_kernels_without_a_compiler, 2)
     expected = (
         "the 1-bit allreduce runs the unfused torch path on cpu instead of the native kernels: they could not be built on host "
