@@ -15,7 +15,6 @@ the layout they give is the saved one, or with --reshard; the checkpoint's loadi
 trainer names the changed keys when it refuses).
 """
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,7 +35,6 @@ class ResumeChange:
     key: str
     was: object
     now: object
-    saved: dict  # the checkpoint's recipe (flat: dotted key -> value)
     recipe: Recipe  # this run's
     step: int  # steps the checkpoint has taken: the change takes effect at step + 1
 
@@ -44,7 +42,7 @@ class ResumeChange:
         return {"step": self.step + 1, "key": self.key, "was": self.was, "now": self.now}
 
 
-Rule = None | str | Callable[[ResumeChange], str | None]
+Rule = registry.ResumeRule  # None, a reason, or a function of the ResumeChange giving either
 
 _SAME_DATA = "the checkpoint's model and its position in the data are those of the data it was trained on"
 _HELD_OUT = "without validation files the validation set is held out of the training files, so adding or dropping them changes the training data"
@@ -103,7 +101,7 @@ def changes(saved: dict, recipe: Recipe, step: int) -> list[ResumeChange]:
     """The keys whose value differs from the checkpoint's recipe; a key the checkpoint's zoa-train did not
     have yet counts as its default (what that run trained with)."""
     was = flat(Recipe().to_dict()) | flat(saved)
-    return [ResumeChange(key, was[key], now, flat(saved), recipe, step) for key, now in flat(recipe.to_dict()).items() if key in was and was[key] != now]
+    return [ResumeChange(key, was[key], now, recipe, step) for key, now in flat(recipe.to_dict()).items() if key in was and was[key] != now]
 
 
 def judge(checkpoint: Path, found: list[ResumeChange]) -> None:
