@@ -57,10 +57,18 @@ def test_gpt2_tiny_runs_end_to_end_and_resumes_exactly(tmp_path, cache_dir):
     assert yaml.safe_load((first / "recipe.yaml").read_text())["train"]["steps"] == 8
     assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_00000004", "step_00000008"]
     assert (first / "tensorboard").is_dir() and (first / "tokenizer" / "tokenizer.json").is_file()
+    # The end says what happened and what to run next, in words (no Python dict)
+    said = done.stdout[done.stdout.index("done: 8 steps in ") :]
+    best = min(r["val_loss"] for r in records if "val_loss" in r)
+    assert f"validation loss {records[-1]['val_loss']:.4f} (best {best:.4f} at step" in said and f"in {records[-1]['rounds']} rounds" in said
+    assert f"checkpoint {first / 'checkpoints' / 'step_00000008'}" in said and f"zoa-train eval wikitext --checkpoint {first} --data FILE" in said
+    assert f"zoa-train export {first} OUT_DIR" in said and "{'step'" not in done.stdout
 
     second = tmp_path / "second"
-    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(second), "--resume", str(first / "checkpoints" / "step_00000004"), *knobs)
+    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(second), "--resume", str(first / "checkpoints" / "step_00000004"), *knobs, "--json")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    summary = json.loads(resumed.stdout.strip().splitlines()[-1])  # --json: the same summary as one record
+    assert summary["steps"] == 8 and summary["checkpoint"] == str(second / "checkpoints" / "step_00000008") and summary["val_loss"] is not None
     again = metrics(second)
     assert [r["step"] for r in again] == [5, 6, 7, 8]
     assert [r["loss"] for r in again] == [r["loss"] for r in records[4:]]

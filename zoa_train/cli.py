@@ -77,6 +77,7 @@ def run_command(
             show_default=False,
         ),
     ] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="At the end print the run's summary as one JSON object instead of text.")] = False,
 ) -> None:
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
     from zoa_train.config import check_batch_layout, load_recipe
@@ -142,7 +143,45 @@ def run_command(
         )
         raise typer.Exit(EXIT_PREEMPTED)
     if results[0]:
-        console.print(results[0])
+        say_run_summary(results[0]["run_dir"], config, as_json)
+
+
+def say_run_summary(run_dir: str, config, as_json: bool) -> None:
+    """What a finished run did and where its files are, then the commands a user runs next (`--json`: the
+    record alone, one JSON object)."""
+    import json
+
+    from zoa_train.models import registry as models
+    from zoa_train.optim.plan import format_bytes
+    from zoa_train.runs import run_summary
+    from zoa_train.train.metrics import clock
+
+    done = run_summary(run_dir)
+    if as_json:
+        print(json.dumps(done))
+        return
+    lines = [f"done: {done['steps']:,} steps in {clock(done['wall_time_s'] or 0)}"]
+    if done["val_loss"] is not None:
+        top1 = f", top-1 {done['val_top1']:.2%}" if done["val_top1"] is not None else ""
+        lines.append(f"  validation loss {done['val_loss']:.4f}{top1} (best {done['best_val_loss']:.4f} at step {done['best_val_step']:,})")
+    if done["bits_per_param"] is not None:
+        # bytes_sent is the slow link's: between nodes where the ledger also counted traffic inside them
+        links = f"between nodes, {format_bytes(done['intra_bytes_sent'])} inside the node" if done["intra_bytes_sent"] else "between ranks"
+        lines.append(
+            f"  sent {done['bits_per_param']:.3f} bits per parameter a step in {done['rounds']:,} rounds: {format_bytes(done['bytes_sent'])} per rank {links}"
+        )
+    if done["mem_peak_bytes"] is not None:
+        mfu = f", MFU {done['mfu_percent']:.1f}%" if done["mfu_percent"] is not None else ""
+        lines.append(f"  peak memory {format_bytes(done['mem_peak_bytes'])} per rank{mfu}")
+    lines.append(f"  run directory {run_dir}: checkpoint {done['checkpoint']}, logs {', '.join(Path(p).name for p in done['logs'])}")
+    spec = models.get(config.model.kind)
+    data = {"imagenet": "VAL_DIR", "glue": "GLUE_DIR"}
+    lines.append("next:")
+    lines += [f"  zoa-train eval {name} --checkpoint {run_dir} --data {data.get(name, 'FILE')}" for name in spec.evaluations]
+    if spec.hf_model_types:  # a Hugging Face model: export writes its directory
+        lines.append(f"  zoa-train export {run_dir} OUT_DIR")
+    lines.append(f"  zoa-train report {run_dir}")
+    console.print("\n".join(lines), highlight=False, soft_wrap=True)
 
 
 def check_local_gpus(backend: str, world: int) -> None:

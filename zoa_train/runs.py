@@ -144,3 +144,27 @@ def step_seconds_by_kind(records: list[dict], key: str = "train_s") -> dict[str,
     b = torch.tensor([[r[key]] for r in windows], dtype=torch.float64)
     solution = torch.linalg.lstsq(a, b, driver="gelsd").solution.flatten().tolist()
     return dict(zip(kinds, solution))
+
+
+def run_summary(path: str | Path) -> dict:
+    """A finished run as a user reads it at its end (and `zoa-train run --json` prints it): steps, wall
+    time, the final and best validation metrics, what was sent (bits per parameter, rounds, bytes per rank
+    between nodes and inside them), the peak memory, and where the checkpoints and logs are."""
+    from zoa_train.train.rundir import complete_checkpoints
+
+    run = read_run(path)
+    last = run.records[-1] if run.records else {}
+    validation = run.series("val_loss")
+    best = min(validation, key=lambda r: r["val_loss"]) if validation else None
+    checkpoints = complete_checkpoints(run.path / "checkpoints")
+    return {
+        "run_dir": str(run.path),
+        "steps": last.get("step", 0),
+        "wall_time_s": last.get("wall_time"),
+        "val_loss": validation[-1]["val_loss"] if validation else None,
+        "best_val_loss": best["val_loss"] if best else None,
+        "best_val_step": best["step"] if best else None,
+        **{key: run.final(key) for key in ("val_top1", "bits_per_param", "rounds", "bytes_sent", "intra_bytes_sent", "mem_peak_bytes", "mfu_percent")},
+        "checkpoint": str(checkpoints[-1]) if checkpoints else None,
+        "logs": [str(run.path / name) for name in ("metrics.jsonl", "tensorboard", "wandb") if (run.path / name).exists()],
+    }

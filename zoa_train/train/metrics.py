@@ -69,7 +69,7 @@ class MetricsLogger:
         done = step - self.start_step
         eta = elapsed / done * (self.total_steps - step) if done > 0 else None
         validation = "".join(f"  {k} {v:.4f}" for k, v in record.items() if k.startswith("val_") and isinstance(v, float))
-        line = f"step {step}/{self.total_steps}  {status}{validation}  elapsed {_clock(elapsed)}  ETA {_clock(eta) if eta is not None else '-'}"
+        line = f"step {step}/{self.total_steps}  {status}{validation}  elapsed {clock(elapsed)}  ETA {clock(eta) if eta is not None else '-'}"
         print(line, flush=True)
 
     def close(self) -> None:
@@ -144,7 +144,7 @@ def _utilization(record: dict) -> str:
     return text
 
 
-def _clock(seconds: float) -> str:
+def clock(seconds: float) -> str:
     """h:mm:ss, or m:ss under an hour."""
     minutes, secs = divmod(int(round(seconds)), 60)
     hours, minutes = divmod(minutes, 60)
