@@ -14,7 +14,7 @@ Not part of the test suite. Run from the repository root, one step at a time or 
 ranks). On the CPU only DeepSpeed's `compressed` comm backend runs; two run-time adaptations make it
 run there, neither a change to DeepSpeed's files: a packbits op in plain torch (DeepSpeed ships one
 for XPU only) and 0-dim scale tensors reshaped to [1] for Gloo's all_gather (NCCL accepts them).
-The mapping of every setting is in ds_config() and in docs/results.md (issue 22).
+The mapping of every setting is in ds_config() and in docs/results/authors-implementation.md (issue 22).
 """
 
 import argparse

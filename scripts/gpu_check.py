@@ -527,7 +527,7 @@ def report_zero_one(name: str, ranks: list[list]) -> None:
 
 
 def report_ops(name: str, device: torch.device, ops: dict) -> None:
-    # The design (zoa_train/comm/onebit.py, zoa_train/comm/kernels; docs/results.md, "Ops per 1-bit
+    # The design (zoa_train/comm/onebit.py, zoa_train/comm/kernels; docs/results/one-bit-call.md, "Ops per 1-bit
     # call"). Fused kernels: per call 2 collectives and 3 passes per parameter group, each one
     # kernel launch on a GPU. The torch path: 2 collectives, 4 ops per parameter group and about
     # 34 + n ops per block (worker 12, server 17 + one per rank, unpack 5), whatever the number of

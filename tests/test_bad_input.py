@@ -677,7 +677,7 @@ def test_run_warns_of_a_setting_too_few_outer_steps_train(one_rank, tmp_path, ca
     assert done.returncode == 0, done.stderr
     said = [r.getMessage() for r in caplog.records if "outer step(s), too few to train" in r.getMessage()]
     assert said == ["optimizer.sync_every (500) leaves this run of 2 steps 0 outer step(s), too few to train (2 ended 8% above Adam on gpt2_tiny; "
-                    "bert_tiny reached Adam's loss with 9, docs/results.md): train at least 8 steps (one outer step each at sync_every 1)."]  # fmt: skip
+                    "bert_tiny reached Adam's loss with 9, docs/results/baselines.md): train at least 8 steps (one outer step each at sync_every 1)."]  # fmt: skip
 
 
 @pytest.mark.slow  # one_rank_run trains first

@@ -11,7 +11,7 @@ of packing plus unpacking next to a plain torch.add of the same size (the bandwi
 
 `python -m zoa_train.bench.comm --profile-ops --nproc 2 [--block-size N] [--per-group]` counts the
 torch ops (each about one kernel launch on an accelerator) and times one 1-bit step of BERT-Large's
-398 tensors in its two parameter groups (docs/results.md, "Ops per 1-bit call").
+398 tensors in its two parameter groups (docs/results/one-bit-call.md, "Ops per 1-bit call").
 """
 
 import os

@@ -36,7 +36,7 @@ from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.onebit import SCALE_ROW, OneBitLayout, TopologyChanged, _buffer_sizes, checked_buffers, collective_device, onebit_layout, relayout
 
 # Four times DDP's 25 MB: a 1-bit bucket sends 32x fewer bytes than an fp32 one for the same messages,
-# so its fixed cost weighs more; `plan` on 16 x 8 GPUs finds 100 MB better than 25 in every row (results.md).
+# so its fixed cost weighs more; `plan` on 16 x 8 GPUs finds 100 MB better than 25 in every row (docs/results/overlap.md).
 BUCKET_CAP_MB = 100.0
 
 

@@ -13,7 +13,7 @@ every tensor of at least a row starts on a row boundary, and a run of smaller te
 norms) is packed from one, so no scale is shared by an embedding matrix and a dense layer, whose
 magnitudes and sparsity differ. A sign costs no more for a zero than for a nonzero, so the scale is
 what keeps a sparse embedding gradient from being drowned by (or drowning) its neighbours (on
-gpt2_tiny, rows cut across tensors trained 0/1 Adam worse: docs/results.md, ablation 1). The
+gpt2_tiny, rows cut across tensors trained 0/1 Adam worse: docs/results/convergence.md, ablation 1). The
 padding after each tensor run and at the end carries no value: it is excluded from the scales,
 its error stays zero, and it is zero in the output, so optimizers keep their state in this layout.
 

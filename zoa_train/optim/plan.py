@@ -45,7 +45,7 @@ step. The 1-bit optimizers communicate inside `step()`, after backward, unless t
 backward (`StepCosts.overlap`, a recipe's comm.overlap): then each round's transfers are modelled as
 DDP's are, in buckets of `overlap_bucket_bytes` (comm.bucket_cap_mb), and only their exposed part adds
 to the step; the round's work on the ranks (`CallCost.work_seconds`) adds in full, as it competes with
-backward for the ranks (calibrated on CPUs, docs/results.md).
+backward for the ranks (calibrated on CPUs, docs/results/overlap.md).
 Sharded (comm.shard node), each rank's rounds cover its shard among the N ranks that hold it, the
 node's G ranks at once over its link; FSDP2's all-gathers and reduce-scatter inside the node add what
 prefetching cannot hide (`fsdp_step_cost`), and Adam's HSDP all-reduce starts unit by unit in backward
@@ -425,7 +425,7 @@ def plan(
 
     def added(cost) -> float | None:
         """What an overlapped round adds to a step: its transfers as backward leaves them exposed, and all
-        of its work on the ranks, which competes with backward for them (measured on CPUs, results.md)."""
+        of its work on the ranks, which competes with backward for them (measured on CPUs, docs/results/overlap.md)."""
         if costs is None or not costs.overlap:
             return None
         transfer = exposed_time(num_params, lambda elements: cost(elements).transfer_seconds, costs, costs.overlap_bucket_bytes)

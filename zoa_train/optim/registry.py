@@ -766,7 +766,7 @@ def _build_diloco(ctx: BuildContext) -> TrainingOptimizer:
 
 
 # Fewer outer steps than this in a whole run: warned of. The paper's H = 500 gives 2 on the tiny recipes'
-# 1,200 steps (8% above Adam on gpt2_tiny); the fewest measured that trained were 9 (H = 128, docs/results.md).
+# 1,200 steps (8% above Adam on gpt2_tiny); the fewest measured that trained were 9 (H = 128, docs/results/baselines.md).
 MIN_OUTER_STEPS = 8
 
 
@@ -788,7 +788,7 @@ def _plan_diloco(ctx: PlanContext) -> PlanCounts:
         advice = f"set sync_every to {fits:,} or less" if fits else f"train at least {MIN_OUTER_STEPS} steps (one outer step each at sync_every 1)"
         warning = (
             f"optimizer.sync_every ({k.sync_every:,}) leaves this run of {ctx.steps:,} steps {periods} outer step(s), too few to train "
-            f"(2 ended 8% above Adam on gpt2_tiny; bert_tiny reached Adam's loss with 9, docs/results.md): {advice}."
+            f"(2 ended 8% above Adam on gpt2_tiny; bert_tiny reached Adam's loss with 9, docs/results/baselines.md): {advice}."
         )
     sends = OUTER_COLLECTIVES[k.outer_collective].plan(ctx, outer)
     return PlanCounts(

@@ -11,7 +11,7 @@ denominator d = sqrt(v)+eps (identical on every rank: v only changes on full-pre
       updates (1 - b2^|T_v|, the default "updates"): the frozen v is then a time average of the
       squared gradients, as Adam's and 1-bit Adam's are, rather than one weighted to the early
       steps where T_v is dense (llama_tiny, three seeds: 0.4% above Adam's loss instead of 1.4%,
-      docs/results.md). The momentum and its bias correction (1 - b1^(t+1)) do not depend on it.
+      docs/results/convergence.md). The momentum and its bias correction (1 - b1^(t+1)) do not depend on it.
   every other step (Algorithm 1 as written; a sync interval of 1 before the freeze):
       m <- b1*m + (1-b1)*g (local);  a local step: x <- x - gamma*m/d, nothing more (two passes,
       as cheap as a fused AdamW step);
@@ -25,14 +25,14 @@ the last (1-b1)*g terms), in Adam's normalised units. That is what makes 1 bit e
 - the momentum changes slowly, so its signs and row scales do too and the compression error is
   small next to it (1-bit Adam compresses the momentum for the same reason). Compressing the noisy
   gradient g/d on the steps before the freeze instead (the authors' implementation) ended 9%
-  above Adam on gpt2_tiny stretched to 1,200 steps where this form ends within 1% (docs/results.md);
+  above Adam on gpt2_tiny stretched to 1,200 steps where this form ends within 1% (docs/results/convergence.md);
 - dividing by d first gives every coordinate Adam's O(gamma) step size: compressing the raw
   gradient gives a rarely active coordinate (small v) noise of the row's average size, which the
   division by its small d turns into a large step (16x lr in a test; divergence on gpt2_tiny).
 update_clip (default 1.0; None turns it off): before var_freeze_step, on the steps that are not
 variance steps, each tensor's m/d is scaled down to an RMS of at most update_clip (Adafactor's update
 clipping) before it is applied and accumulated. On gpt2_tiny, seed 1 stayed on the unigram plateau
-without it (val 4.970 vs Adam's 4.429); with it the three seeds end within 1% of Adam (docs/results.md).
+without it (val 4.970 vs Adam's 4.429); with it the three seeds end within 1% of Adam (docs/results/convergence.md).
 x_anchor (x after the last sync), w_bar, g_bar and d are identical on every rank, so x and m are
 bit-identical after every sync. Weight decay is decoupled: it never enters u, w or m (but for the
 rounding of x_anchor - x); a local-step period applies the product of its (1 - lr*wd) factors at the sync.

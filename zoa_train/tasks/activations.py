@@ -13,7 +13,7 @@ then. What each train.activation_checkpointing mode keeps follows from that one 
 and the peak is the larger of what the end of forward keeps and, during backward (last block first),
 what the blocks below a block keep plus that block's activations (rebuilt where it is recomputed) and as
 many bytes again of their gradients. Not counted: the loss's gradient of the logits at the start of
-backward, the allocator's slack and the device runtime (measured on CPU: docs/results.md, "Activation
+backward, the allocator's slack and the device runtime (measured on CPU: docs/results/training-at-scale.md, "Activation
 checkpointing").
 """
 

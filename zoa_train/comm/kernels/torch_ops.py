@@ -22,7 +22,7 @@ from zoa_train.comm.packing import BLOCK, pack_flags, unpack_flags, unpack_rows
 DEVICE_BLOCK = 1 << 27
 # And on every device at most this share of the call's buffers: the scratch then stays near 0.1 fp32
 # copies of them (with the wire buffers, 0.2 + 1/(8n)), small models and accelerators alike, at
-# about 20 blocks of 35 + n ops each per call (docs/results.md, "The 1-bit call's scratch").
+# about 20 blocks of 35 + n ops each per call (docs/results/one-bit-call.md, "The 1-bit call's scratch").
 BLOCK_SHARE = 1 / 20
 
 

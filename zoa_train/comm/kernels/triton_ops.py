@@ -28,7 +28,7 @@ PACK_BLOCK = 8192  # elements per program of pack_signs / unpack_signs
 
 def _warps(block: int) -> int:
     """Warps per program: 4 for a row of 4,096 (on an H200, 2 to 8 ran within a few percent of each
-    other and 16 or more slower: docs/results.md, "The 1-bit call at memory speed"). Fixed, not
+    other and 16 or more slower: docs/results/one-bit-call.md, "The 1-bit call at memory speed"). Fixed, not
     tuned per run: the row's sum of squares is a tree over the warps, so their number moves a scale
     in its last bit, and every rank must round alike."""
     return max(1, min(4, block // 1024))
