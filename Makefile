@@ -12,6 +12,9 @@ $(STAMP): pyproject.toml
 	test -d $(VENV) || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev,hf,lightning]'
+	# megatron-core's indexed-dataset writer, for the tests that read its files (docs/data.md); without its
+	# dependencies (numpy and torch are there), and where it cannot install (no wheel) those tests skip.
+	-$(BIN)/pip install --quiet --no-deps megatron-core==0.16.1
 	# The native 1-bit kernels, built once now rather than at the first run (where they cannot be
 	# built, the torch path runs, and this says why).
 	-$(BIN)/python -m zoa_train.comm.kernels.native

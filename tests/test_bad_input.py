@@ -109,6 +109,47 @@ def gpt2_tiny_run(tmp, recipe_n_layer: int = 2):
     return test_export.gpt2_tiny_run(tmp, recipe_n_layer)
 
 
+def megatron_prefix(spoil=None, *pairs: str, tokenizer: bool = True):
+    """gpt2_tiny from tmp/corpus, a Megatron prefix of 40 documents of 4 uint16 tokens (zoa-train's writer),
+    spoiled first by `spoil` (of the prefix's path)."""
+
+    def args(tmp, cache, run):
+        import numpy as np
+
+        from zoa_train.data.indexed import write_indexed
+
+        write_indexed(tmp / "corpus", np.arange(160, dtype=np.uint16) % 50, [4] * 40)
+        if spoil is not None:
+            spoil(tmp / "corpus")
+        tokenizer_set = ["data.tokenizer=gpt2"] if tokenizer else []  # a hub name: only checked to be one before the ranks start
+        return [RECIPE, *sets("data.source=megatron", f"data.prefixes=[{tmp / 'corpus'}]", *tokenizer_set, *pairs)]
+
+    return args
+
+
+def rewritten(suffix: str, edit):
+    """A spoiler: the prefix's .idx or .bin replaced by `edit` of its bytes."""
+
+    def spoil(prefix: Path) -> None:
+        path = prefix.with_name(prefix.name + suffix)
+        path.write_bytes(bytes(edit(bytearray(path.read_bytes()))))
+
+    return spoil
+
+
+def another_version(data: bytearray) -> bytearray:
+    data[9:17] = (2).to_bytes(8, "little")
+    return data
+
+
+def empty_prefix(prefix: Path) -> None:
+    import numpy as np
+
+    from zoa_train.data.indexed import write_indexed
+
+    write_indexed(prefix, np.zeros(0, dtype=np.uint16), [])
+
+
 # name: (arguments(tmp_path, cache_dir, run_dir) -> zoa run arguments, expected text in the sentence,
 #        whether ranks start first: they prepare the run directory (new and empty here) before reading data)
 CASES = {
@@ -196,6 +237,21 @@ CASES = {
         "unknown key train.pipeline_parallel_size; zoa-train is data-parallel only",
         False,
     ),
+    # issue 51: Megatron indexed datasets (data.source megatron), their files checked before any rank starts
+    "megatron prefix without its .idx": (megatron_prefix(lambda p: p.with_name("corpus.idx").unlink()), "corpus.idx does not exist", False),
+    "megatron index cut short": (megatron_prefix(rewritten(".idx", lambda b: b[:100])), "corpus.idx is truncated", False),
+    "megatron data cut short": (megatron_prefix(rewritten(".bin", lambda b: b[:100])), "corpus.bin is truncated", False),
+    "megatron index of another version": (megatron_prefix(rewritten(".idx", another_version)), "corpus.idx is an index of version 2", False),
+    "megatron index of another format": (megatron_prefix(rewritten(".idx", lambda b: b"PK\x03\x04" + b[4:])), "is not a Megatron index", False),
+    "megatron prefix of no tokens": (megatron_prefix(empty_prefix), "which holds no tokens", False),
+    "megatron weights that do not match the prefixes": (
+        megatron_prefix(None, "data.weights=[0.5, 0.3, 0.2]"),
+        "data.weights gives 3 weights for the 1 prefix of data.prefixes",
+        False,
+    ),
+    "megatron weight of zero": (megatron_prefix(None, "data.weights=[0]"), "data.weights must each be positive, not [0.0]", False),
+    "megatron without a tokenizer": (megatron_prefix(tokenizer=False), "data.source megatron needs data.tokenizer", False),
+    "megatron prefixes with another source": (recipe_with("data.prefixes=[corpus]"), "data.prefixes is read only with data.source megatron", False),
 }
 
 

@@ -49,6 +49,11 @@ class DataConfig:
     min_crop_scale: float = 0.08  # smallest area fraction RandomResizedCrop keeps
     hflip: bool = True  # random horizontal flips in training
     workers: int = 4  # decoding processes per rank
+    # source "megatron": Megatron-LM indexed datasets, mapped as they are (docs/data.md); needs tokenizer
+    prefixes: list[str] = field(default_factory=list)  # paths of .bin/.idx pairs without the suffix
+    weights: list[float] = field(default_factory=list)  # one per prefix: a blend, as Megatron's --data-path 0.3 A 0.7 B; none: each prefix whole
+    validation_prefixes: list[str] = field(default_factory=list)  # none: the last 5% of each training prefix's documents are held out
+    tokenize_workers: int = 0  # processes that tokenize text into the token cache (bundled, files, hub); 0: one per CPU core
 
 
 class OptimizerConfig:
@@ -371,6 +376,8 @@ CHECKS: dict[str, checks.Check] = {
     "schedule.min_lr": checks.non_negative,
     "comm.ranks_per_node": checks.non_negative,
     "comm.bucket_cap_mb": checks.non_negative,
+    "data.weights": checks.each(checks.positive),
+    "data.tokenize_workers": checks.non_negative,
 }
 
 

@@ -7,6 +7,7 @@ reader never sees half a file, even after a crash.
 
 import fcntl
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,8 +26,9 @@ def exclusive_lock(path: Path) -> Iterator[None]:
 
 
 def temporary_name(path: Path) -> Path:
-    """A sibling of ``path`` for writing before ``os.replace``: same filesystem, so the rename is atomic."""
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    """A sibling of ``path`` for writing before ``os.replace``: same filesystem, so the rename is atomic; named
+    by host and process, so that writers on nodes sharing the disk (where a lock may not reach) never meet."""
+    return path.with_name(f".{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
 
 
 def atomic_write_text(path: Path, text: str) -> None:

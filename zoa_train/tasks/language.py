@@ -62,7 +62,12 @@ class LanguageTask(Task):
             name=d.source, config=d.config, train_files=tuple(d.train_files), validation_files=tuple(d.validation_files), text_field=d.text_field
         )
         tokenizer_family = registry.get(recipe.model.kind).tokenizer  # the kind of tokenizer trained when none is given
-        data = prepare_lm_data(source, tokenizer_family, Path(d.cache_dir).expanduser(), d.tokenizer, d.vocab_size)
+        if d.source == "megatron":  # Megatron indexed datasets, mapped as they are (zoa_train/data/megatron.py)
+            from zoa_train.data.prepare import prepare_megatron_data
+
+            data = prepare_megatron_data(d.prefixes, d.weights, d.validation_prefixes, d.tokenizer, tokenizer_family, Path(d.cache_dir).expanduser())
+        else:
+            data = prepare_lm_data(source, tokenizer_family, Path(d.cache_dir).expanduser(), d.tokenizer, d.vocab_size, d.tokenize_workers)
         self.tokenizer = data.tokenizer
         self.units_per_sample = d.seq_len
         self.loader = DistributedBatchLoader(self.blocks(data.train), t.micro_batch_size, rank, world_size, t.seed)
@@ -83,6 +88,9 @@ class LanguageTask(Task):
                 existing(d.tokenizer, "data.tokenizer", "the tokenizer's files, or leave data.tokenizer unset to train one on the corpus")
             except UserError as e:
                 raise UserError(f"{origin}: {e}") from None
+        from zoa_train.data.megatron import check_recipe
+
+        check_recipe(d, origin)
 
     @classmethod
     def model_for_counting(cls, recipe) -> torch.nn.Module:

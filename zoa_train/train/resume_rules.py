@@ -46,6 +46,7 @@ Rule = registry.ResumeRule  # None, a reason, or a function of the ResumeChange 
 
 _SAME_DATA = "the checkpoint's model and its position in the data are those of the data it was trained on"
 _HELD_OUT = "without validation files the validation set is held out of the training files, so adding or dropping them changes the training data"
+_HELD_OUT_PREFIXES = "without validation prefixes the validation set is held out of the training prefixes, so adding or dropping them changes the training data"
 _SEED = "it drew the initial model and seeds the data order and every rank's random streams, which continue from the checkpoint"
 
 RULES: dict[str, Rule] = {
@@ -54,6 +55,9 @@ RULES: dict[str, Rule] = {
     ),
     "data.validation_files": lambda c: None if c.was and c.now else _HELD_OUT,
     **dict.fromkeys(["data.cache_dir", "data.workers", "data.crop_size", "data.resize_size", "data.min_crop_scale", "data.hflip"]),
+    **dict.fromkeys(["data.prefixes", "data.weights"], _SAME_DATA),
+    "data.validation_prefixes": lambda c: None if c.was and c.now else _HELD_OUT_PREFIXES,
+    "data.tokenize_workers": None,
     **dict.fromkeys(["schedule.name", "schedule.warmup_steps", "schedule.decay_factor", "schedule.decay_every", "schedule.min_lr"]),
     # train.micro_batch_size: the data continue at the same sample (the position is converted)
     **dict.fromkeys(
