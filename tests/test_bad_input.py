@@ -6,6 +6,7 @@ Tables: CASES (`zoa-train run`), COMMAND_CASES (the other commands), RESUME_REFU
 each against a copy of a run directory that must stay byte for byte the same); BAD_RECIPES are in
 tests/test_run.py, bad image data in tests/test_tasks.py. The library's own refusals come last."""
 
+import json
 import re
 import sys
 from pathlib import Path
@@ -52,6 +53,24 @@ def directory_as_data_file(tmp, cache, run):
 def garbage_data_file(tmp, cache, run):
     (tmp / "corpus.txt").write_bytes(b"\xff\xfe\x00 not text \xc3\x28\n" * 64)
     return [RECIPE, *quick(cache, "data.source=files", f"data.train_files={tmp / 'corpus.txt'}")]
+
+
+def streamed_files(field: str = "text", *unset: str):
+    """gpt2_tiny streaming JSON lines whose documents are under `field`, without the data keys in `unset`."""
+
+    def args(tmp, cache, run):
+        for name in ("train.jsonl", "val.jsonl"):
+            (tmp / name).write_text(json.dumps({"id": 1, field: "a document"}) + "\n")
+        data = {
+            "data.source": "files",
+            "data.train_files": f"[{tmp / 'train.jsonl'}]",
+            "data.validation_files": f"[{tmp / 'val.jsonl'}]",
+            "data.streaming": "true",
+            "data.tokenizer": str(tmp),  # a directory: refused before it is ever loaded
+        }
+        return [RECIPE, *sets(*(f"{key}={value}" for key, value in data.items() if key not in unset))]
+
+    return args
 
 
 def recipe_bytes(data: bytes):
@@ -175,6 +194,10 @@ CASES = {
     "negative warmup": (recipe_with("schedule.warmup_steps=-1"), "schedule.warmup_steps must be >= 0, not -1", False),
     "data file is a directory": (directory_as_data_file, "corpus.txt is a directory", False),
     "data file is not text": (garbage_data_file, "corpus.txt: 'utf-8' codec can't decode", True),
+    "streaming the bundled corpus": (recipe_with("data.streaming=true"), "data.streaming reads data files or a hub dataset while training", False),
+    "streaming without a tokenizer": (streamed_files("text", "data.tokenizer"), "data.streaming needs data.tokenizer", False),
+    "streaming without validation files": (streamed_files("text", "data.validation_files"), "data.streaming needs data.validation_files", False),
+    "streamed data without its text field": (streamed_files("body"), "data.text_field 'text' is not a field of the streamed data files", False),
     "resume a directory that is not a checkpoint": (resume_from("not a checkpoint"), "is not a complete checkpoint (no COMPLETE marker)", False),
     "resume a missing directory": (resume_from("missing"), "no such checkpoint directory", False),
     "dropout of 1 or more": (recipe_with("model.dropout=1.5"), "model.dropout must be in [0, 1), not 1.5", False),
@@ -229,12 +252,12 @@ CASES = {
     "init_from a directory that does not exist": (recipe_with("model.init_from=./my-model"), "model.init_from ./my-model does not exist", False),
     "data.tokenizer a directory that does not exist": (recipe_with("data.tokenizer=./tok"), "data.tokenizer ./tok does not exist", False),
     # Unsupported combinations (issue 12, item 8): there is no key for splitting the model; asking for it names the reason.
-    "ZeRO stage": (recipe_with("train.zero_stage=2"), "unknown key train.zero_stage; zoa-train is data-parallel only", False),
-    "FSDP": (recipe_with("train.fsdp=true"), "unknown key train.fsdp; zoa-train is data-parallel only", False),
-    "tensor parallelism": (recipe_with("train.tensor_parallel=2"), "ZeRO, FSDP, tensor and pipeline parallelism are not supported", False),
+    "ZeRO stage": (recipe_with("train.zero_stage=2"), "unknown key train.zero_stage; zoa-train shards only inside a node", False),
+    "FSDP": (recipe_with("train.fsdp=true"), "unknown key train.fsdp; zoa-train shards only inside a node", False),
+    "tensor parallelism": (recipe_with("train.tensor_parallel=2"), "ZeRO across nodes, tensor and pipeline parallelism are not supported", False),
     "pipeline parallelism": (
         recipe_file("model: {kind: gpt2}\ntrain: {pipeline_parallel_size: 4}\n"),
-        "unknown key train.pipeline_parallel_size; zoa-train is data-parallel only",
+        "unknown key train.pipeline_parallel_size; zoa-train shards only inside a node",
         False,
     ),
     # issue 51: Megatron indexed datasets (data.source megatron), their files checked before any rank starts

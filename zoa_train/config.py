@@ -42,6 +42,10 @@ class DataConfig:
     vocab_size: int = 8192  # of a trained tokenizer
     seq_len: int = 128
     cache_dir: str = "~/.cache/zoa-train"
+    # read files or a hub dataset while training, each rank its own part, instead of tokenizing it whole
+    # first; needs tokenizer, and validation_files for files (docs/data.md, "Streaming")
+    streaming: bool = False
+    shuffle_window: int = 0  # streaming: take each run of this many consecutive blocks of a rank in a seeded order; 0: the stream's order
     # images
     root: str | None = None  # source "folder": holds train/<class>/* and val/<class>/* (ImageNet as usually unpacked)
     crop_size: int = 224  # training: RandomResizedCrop to this; evaluation: centre crop
@@ -270,8 +274,8 @@ def apply_override(data: dict, override: str) -> None:
 
 
 # Keys other trainers use to shard or split the model (DeepSpeed's zero_optimization, FSDP, Megatron's
-# tensor/pipeline sizes). The 1-bit optimizers need every rank to hold the whole model and optimizer
-# state, so there is no such key here; an unknown one of these is refused with that reason.
+# tensor/pipeline sizes). The 1-bit optimizers need each node to hold the whole model and optimizer state
+# (among its ranks, with comm.shard: node), so there is no other such key; an unknown one is refused with that reason.
 _MODEL_SPLITTING = re.compile(
     r"^zero$|zero_?(stage|optimi[sz]ation|\d)|fsdp|shard|tensor_?(model_?)?parallel|pipeline|model_?parallel|^[tp]p(_size|_degree)?$|deepspeed|megatron"
 )
@@ -288,8 +292,9 @@ def build_section(cls, data, origin: str, prefix: str = ""):
     for key, value in data.items():
         if key not in names and _MODEL_SPLITTING.search(str(key).lower()):
             raise UserError(
-                f"{origin}: unknown key {prefix}{key}; zoa-train is data-parallel only (every rank holds the whole model and "
-                "optimizer state, which 1-bit and 0/1 Adam need), so ZeRO, FSDP, tensor and pipeline parallelism are not supported."
+                f"{origin}: unknown key {prefix}{key}; zoa-train shards only inside a node (FSDP2, comm.shard: node), so that each node "
+                "holds the whole model and optimizer state among its ranks as 1-bit and 0/1 Adam need: ZeRO across nodes, tensor and "
+                "pipeline parallelism are not supported."
             )
         if key not in names:
             close = difflib.get_close_matches(str(key), names, n=1)
@@ -370,6 +375,7 @@ CHECKS: dict[str, checks.Check] = {
     "data.resize_size": checks.positive,
     "data.min_crop_scale": checks.within(0, 1, low_open=True, high_open=False),
     "data.workers": checks.non_negative,
+    "data.shuffle_window": checks.non_negative,
     "schedule.decay_every": checks.positive,
     "schedule.warmup_steps": checks.non_negative,
     "schedule.decay_factor": checks.within(0, 1, low_open=True, high_open=False),
