@@ -28,5 +28,8 @@ def test_bench_loader_refuses_micro_batches_that_cannot_be_kept_before_it_reads_
 
     if available_memory() > 100e9:
         pytest.skip("this machine could hold 143 GB of micro-batches: nothing to refuse")
-    done = zoa_here(capsys, "bench", "loader", RECIPE, "--set", f"data.cache_dir={cache_dir}", "--set", "train.micro_batch_size=14000", "--batches", "10000")
+    one_rank = ["--set", "train.nproc=1", "--set", "train.global_batch_size=14000"]  # the bench plays rank 0 of the recipe's ranks
+    done = zoa_here(
+        capsys, "bench", "loader", RECIPE, "--set", f"data.cache_dir={cache_dir}", "--set", "train.micro_batch_size=14000", *one_rank, "--batches", "10000"
+    )
     refused(done, "--batches 10,000 micro-batches of 14.34 MB each need about 143.36 GB and there are", "; pass fewer --batches", alone=False)

@@ -1,5 +1,6 @@
 """zoa_train.data: bundled corpus, text sources, tokenizers, token cache, LM batches and the distributed loader."""
 
+import itertools
 import json
 import lzma
 import re
@@ -25,7 +26,7 @@ from zoa_train.data import (
     shards,
     validation_batches,
 )
-from zoa_train.data.lm import step_generator
+from zoa_train.data.lm import sample_keys
 from zoa_train.data.sources import bundled_paragraphs
 from zoa_train.errors import UserError
 
@@ -266,7 +267,7 @@ def numbered_blocks(num_blocks, seq_len=4):
 def test_causal_blocks_tile_the_stream_and_labels_are_inputs(gpt2):
     blocks = CausalLMBlocks(gpt2.train, 128)
     assert len(blocks) == len(gpt2.train) // 128
-    batch = blocks.batch(np.array([5, 6, 0]), step_generator(0))
+    batch = blocks.batch(np.array([5, 6, 0]), sample_keys(np.array([5, 6, 0]), 0))
     assert batch["input_ids"].shape == (3, 128) and batch["input_ids"].dtype == torch.int64
     assert torch.equal(batch["labels"], batch["input_ids"])  # HF convention: the model shifts
     stream = torch.from_numpy(gpt2.train[5 * 128 : 7 * 128].astype(np.int64))
@@ -278,7 +279,8 @@ def test_mlm_masking_rates_specials_and_determinism(bert):
     tok = bert.tokenizer
     blocks = MaskedLMBlocks(bert.train, 128, tok)
     indices = np.arange(512)
-    batch = blocks.batch(indices, step_generator(1, 0, 7))
+    keys = sample_keys(indices, 1, 0, 7)
+    batch = blocks.batch(indices, keys)
     original = torch.cat([torch.full((512, 1), tok.cls_token_id), blocks.stream.rows(indices), torch.full((512, 1), tok.sep_token_id)], dim=1)
     ids, labels = batch["input_ids"], batch["labels"]
     special = torch.isin(original, torch.tensor(tok.all_special_ids))
@@ -292,17 +294,21 @@ def test_mlm_masking_rates_specials_and_determinism(bert):
     assert abs(masked - 0.8) < 0.015 and abs(unchanged - 0.1) < 0.015 and abs(1 - masked - unchanged - 0.1) < 0.015
     assert torch.equal(ids[~chosen], original[~chosen])
 
-    same = blocks.batch(indices, step_generator(1, 0, 7))
+    same = blocks.batch(indices, keys)
     assert torch.equal(same["input_ids"], ids) and torch.equal(same["labels"], labels)
-    for other in (step_generator(1, 0, 8), step_generator(1, 1, 7), step_generator(2, 0, 7)):
+    for other in (sample_keys(indices, 1, 0, 8), sample_keys(indices, 1, 1, 7), sample_keys(indices, 2, 0, 7)):
         assert not torch.equal(blocks.batch(indices, other)["labels"], labels)
+    # A row's masking is its key's alone: the same rows, reordered and in a smaller batch, are masked alike.
+    picked = np.array([300, 7, 41])
+    alone = blocks.batch(indices[picked], keys[picked])
+    assert torch.equal(alone["input_ids"], ids[picked]) and torch.equal(alone["labels"], labels[picked])
 
 
 def test_sentence_pairs_for_the_next_sentence_head(bert):
     tok = bert.tokenizer
     blocks = SentencePairBlocks(bert.train, 64, tok)
     indices = np.arange(400)
-    batch = blocks.batch(indices, step_generator(3, 0, 1))
+    batch = blocks.batch(indices, sample_keys(indices, 3, 0, 1))
     ids, labels, types, is_random = batch["input_ids"], batch["labels"], batch["token_type_ids"], batch["next_sentence_label"]
     half = blocks.half
     assert ids.shape == types.shape == (400, 64) and is_random.shape == (400,)
@@ -318,47 +324,125 @@ def test_sentence_pairs_for_the_next_sentence_head(bert):
     assert not torch.equal(original[~kept, half + 2 : -1], stream[~kept, half:])
 
 
-def test_ranks_see_disjoint_blocks_and_epochs_reshuffle():
-    blocks = numbered_blocks(103)
-    seen = {}
-    for rank in range(2):
-        loader = DistributedBatchLoader(blocks, 5, rank=rank, world_size=2, seed=3)
-        assert len(loader) == 10
-        epoch0 = [next(loader)["input_ids"][:, 0] for _ in range(len(loader))]
-        epoch1 = [next(loader)["input_ids"][:, 0] for _ in range(len(loader))]
-        seen[rank] = torch.cat(epoch0).tolist()
-        assert len(set(seen[rank])) == 50 and torch.cat(epoch1).tolist() != seen[rank]
-    assert not set(seen[0]) & set(seen[1])
-    # The same global batch at another world size with the same global batch size.
-    single = DistributedBatchLoader(blocks, 10, rank=0, world_size=1, seed=3)
-    assert next(single)["input_ids"][:, 0].tolist() == seen[0][:5] + seen[1][:5]
+def take_global_batches(blocks, layout, global_batch_size, steps, seed=3, state=None):
+    """`steps` global batches as every rank of `layout` (world size, micro-batch size) takes them: per step,
+    each rank's micro-batches concatenated in order, rank after rank; and the ranks' loaders."""
+    world, micro = layout
+    loaders = [DistributedBatchLoader(blocks, micro, rank, world, seed, global_batch_size) for rank in range(world)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(json.loads(json.dumps(state)))  # as it would come back from a checkpoint
+    accumulation = global_batch_size // (world * micro)
+    steps_taken = []
+    for _ in range(steps):
+        ranks = [[next(loader) for _ in range(accumulation)] for loader in loaders]
+        steps_taken.append([{k: torch.cat([b[k] for b in micro_batches]) for k in micro_batches[0]} for micro_batches in ranks])
+    return steps_taken, loaders
+
+
+def ids(step: list[dict]) -> list[int]:
+    """A global batch's block ids (numbered_blocks), rank after rank."""
+    return torch.cat([rank["input_ids"][:, 0] for rank in step]).tolist()
+
+
+def permutation(epoch: int, count: int = 103, seed: int = 3) -> list[int]:
+    """The global order of an epoch: a function of the seed and the sample index alone."""
+    return np.random.default_rng([seed, epoch]).permutation(count).tolist()
+
+
+@pytest.mark.parametrize("layout", [(1, 24), (1, 6), (2, 12), (2, 4), (3, 8), (3, 4), (3, 2)], ids=lambda x: f"{x}")
+def test_a_global_batch_is_the_same_blocks_in_the_same_order_at_any_world_size_and_micro_batch(layout):
+    blocks = numbered_blocks(103)  # 4 global batches of 24 an epoch, 7 blocks skipped
+    steps, loaders = take_global_batches(blocks, layout, 24, 10)
+    accumulation = 24 // (layout[0] * layout[1])
+    assert len(loaders[0]) == 4 * accumulation
+    for step, ranks in enumerate(steps):
+        epoch, index = divmod(step, 4)
+        # rank r takes the r-th slice of the global batch, its micro-batches in order: ranks are disjoint
+        assert ids(ranks) == permutation(epoch)[24 * index : 24 * (index + 1)]
+        assert len(set(ids(ranks))) == 24 and all(len(rank["input_ids"]) == 24 // layout[0] for rank in ranks)
+    assert len(set(sum((ids(ranks) for ranks in steps[:4]), []))) == 96  # an epoch takes no block twice
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "bert"])
-def test_resume_gives_the_same_batches_as_an_uninterrupted_run(kind, gpt2, bert):
+def test_resume_from_any_position_gives_the_same_batches_as_an_uninterrupted_run(kind, gpt2, bert):
     data = gpt2 if kind == "gpt2" else bert
-    blocks = CausalLMBlocks(data.validation, 32) if kind == "gpt2" else MaskedLMBlocks(data.validation, 32, data.tokenizer)
+    tokens = data.validation[: 32 * 100]  # 100 blocks: 4 global batches of 24 an epoch
+    blocks = CausalLMBlocks(tokens, 32) if kind == "gpt2" else MaskedLMBlocks(tokens, 32, data.tokenizer)
 
-    def loader():
-        return DistributedBatchLoader(blocks, 8, rank=1, world_size=2, seed=11)
+    def loader(seed=11):
+        return DistributedBatchLoader(blocks, 4, rank=1, world_size=3, seed=seed, global_batch_size=24)  # 2 micro-batches a step
 
-    uninterrupted = loader()
-    steps = len(uninterrupted) + 3  # resume inside the second epoch
-    reference = [next(uninterrupted) for _ in range(steps + 5)]
+    reference = list(itertools.islice(loader(), 14))  # into the second epoch
+    for taken in range(len(reference)):  # between global batches, inside one, at an epoch's end
+        interrupted = loader()
+        for _ in range(taken):
+            next(interrupted)
+        state = json.loads(json.dumps(interrupted.state_dict()))
+        resumed = loader()
+        resumed.load_state_dict(state)
+        for expected in reference[taken:]:
+            batch = next(resumed)
+            assert all(torch.equal(batch[k], expected[k]) for k in expected)
+    inside = loader()
+    next(inside)
+    with pytest.raises(UserError, match="inside a global batch"):
+        DistributedBatchLoader(blocks, 4, rank=1, world_size=2, seed=11, global_batch_size=24).load_state_dict(inside.state_dict())
+    with pytest.raises(UserError, match="checkpoint has seed=11 and this run 12"):
+        loader(seed=12).load_state_dict(state)
 
-    interrupted = loader()
-    for _ in range(steps):
-        next(interrupted)
-    state = json.loads(json.dumps(interrupted.state_dict()))  # as it would come back from a checkpoint
-    resumed = loader()
-    resumed.load_state_dict(state)
-    for expected in reference[steps:]:
-        batch = next(resumed)
-        assert all(torch.equal(batch[k], expected[k]) for k in ("input_ids", "labels"))
 
-    other = DistributedBatchLoader(blocks, 8, rank=0, world_size=4, seed=11)
-    with pytest.raises(UserError, match="world_size"):
-        other.load_state_dict(state)
+@pytest.mark.parametrize("taken", [1, 3, 4, 6], ids=lambda n: f"after{n}")
+def test_a_position_continues_at_another_world_size_and_micro_batch_at_the_next_unseen_global_batch(taken):
+    blocks = numbered_blocks(103)
+    reference, _ = take_global_batches(blocks, (2, 4), 24, 10)
+    _, loaders = take_global_batches(blocks, (2, 4), 24, taken)
+    states = [loader.state_dict() for loader in loaders]
+    assert states[0] == states[1]  # between global batches every rank is at the same place
+    for layout in ((1, 6), (3, 4), (3, 8), (2, 12)):
+        continued, _ = take_global_batches(blocks, layout, 24, 10 - taken, state=states[0])
+        assert [ids(ranks) for ranks in continued] == [ids(ranks) for ranks in reference[taken:]]
+
+
+def test_another_global_batch_size_continues_at_the_next_unseen_block():
+    blocks = numbered_blocks(103)
+    _, loaders = take_global_batches(blocks, (2, 4), 24, 3)  # 72 blocks of epoch 0 taken, 31 left
+    state = loaders[0].state_dict()
+    smaller, _ = take_global_batches(blocks, (2, 8), 16, 3, state=state)
+    # the next unseen 16, then 15 are left, fewer than a global batch: skipped, the next epoch begins
+    assert [ids(ranks) for ranks in smaller] == [permutation(0)[72:88], permutation(1)[:16], permutation(1)[16:32]]
+    larger, _ = take_global_batches(blocks, (1, 8), 32, 1, state=state)  # 31 left are fewer than 32
+    assert ids(larger[0]) == permutation(1)[:32]
+
+
+def test_positions_saved_before_the_global_order_continue_at_the_same_sample():
+    blocks = numbered_blocks(103)
+    # 5 steps of the old loader at 2 ranks x 4, one micro-batch a step: rank r took permutation[8 b + 4 r : 8 b + 4 r + 4] at step b
+    old = {"epoch": 1, "batch_index": 5, "seed": 3, "world_size": 2, "micro_batch_size": 4, "num_blocks": 103}
+    same, _ = take_global_batches(blocks, (2, 4), 8, 2, state=old)
+    assert [rank["input_ids"][:, 0].tolist() for rank in same[0]] == [permutation(1)[40:44], permutation(1)[44:48]]  # the old loader's next
+    other, _ = take_global_batches(blocks, (3, 4), 24, 1, state=old)
+    assert ids(other[0]) == permutation(1)[40:64]
+
+
+def test_mlm_masks_are_the_same_per_block_at_any_world_size_and_differ_between_epochs(bert):
+    blocks = MaskedLMBlocks(bert.validation[: 30 * 100], 32, bert.tokenizer)  # 100 blocks: 4 global batches of 24 an epoch
+    reference, _ = take_global_batches(blocks, (1, 24), 24, 8, seed=5)
+
+    def merged(ranks):
+        return {k: torch.cat([rank[k] for rank in ranks]) for k in ranks[0]}
+
+    for layout in ((2, 4), (3, 8), (3, 2)):
+        steps, _ = take_global_batches(blocks, layout, 24, 8, seed=5)
+        for got, expected in zip(steps, reference):
+            got, expected = merged(got), merged(expected)
+            assert torch.equal(got["input_ids"], expected["input_ids"]) and torch.equal(got["labels"], expected["labels"])
+    # a block of epoch 0's first global batch is masked otherwise in epoch 1
+    first, again = permutation(0, 100, 5)[:24], permutation(1, 100, 5)[:96]
+    labels = [torch.cat([merged(ranks)["labels"] for ranks in reference[e * 4 : e * 4 + 4]]) for e in (0, 1)]
+    both = [block for block in first if block in again]
+    assert len(both) > 15
+    assert sum(not torch.equal(labels[0][first.index(b)], labels[1][again.index(b)]) for b in both) >= len(both) - 1
 
 
 def test_validation_batches_are_fixed_and_split_across_ranks():
@@ -395,7 +479,7 @@ def test_mlm_validation_batches_do_not_depend_on_the_training_seed(cache_dir, be
 
 
 def test_too_little_data_for_the_batch_is_a_user_error():
-    with pytest.raises(UserError, match="fewer than world size x micro batch size = 64"):
+    with pytest.raises(UserError, match="has 63 blocks, fewer than a global batch of 64"):
         DistributedBatchLoader(numbered_blocks(63), 16, world_size=4)
 
 
@@ -413,11 +497,11 @@ def test_prefetched_batches_and_their_position_are_those_of_the_loader():
     plain = loader()
     reference = [next(plain)["input_ids"] for _ in range(25)]
     ahead = DevicePrefetcher(loader(), to_device, torch.device("cpu"))
-    assert ahead.state_dict()["batch_index"] == 0  # nothing fetched yet
+    assert ahead.state_dict()["sample"] == 0  # nothing fetched yet
     got = [next(ahead)["input_ids"] for _ in range(13)]  # crosses the epoch end (10 batches per epoch)
     assert all(torch.equal(a, b) for a, b in zip(got, reference))
     state = ahead.state_dict()  # after 13 batches, although the 14th is already fetched
-    assert (state["epoch"], state["batch_index"]) == (1, 3)
+    assert (state["epoch"], state["sample"], state["micro"]) == (1, 30, 0)
     resumed = DevicePrefetcher(loader(), to_device, torch.device("cpu"))
     resumed.load_state_dict(json.loads(json.dumps(state)))
     assert all(torch.equal(next(resumed)["input_ids"], expected) for expected in reference[13:])

@@ -249,37 +249,64 @@ def test_a_rank_that_stops_answering_is_reported_within_the_timeout(tmp_path, ca
     assert time.monotonic() - stopped_at < 120
 
 
-def test_reshard_continues_a_synchronised_checkpoint_at_another_world_size_and_refuses_a_local_step_one(tmp_path, cache_dir):
+def test_reshard_continues_a_synchronised_checkpoint_on_the_same_samples_at_any_world_size_and_refuses_a_local_step_one(tmp_path, cache_dir):
     import json
 
-    from zoa_train.data.lm import epoch_rank_order
-    from zoa_train.train.trainer import reshard_position
+    from zoa_train.data.lm import SampleOrder
 
-    # The data position carries over by sample: 2 ranks at global batch b take the blocks 1 rank takes
-    # as micro-batches 2b and 2b+1 of the same epoch order.
-    two = [epoch_rank_order(1000, 0, 3, 31, 2, 16, r) for r in range(2)]
-    one = epoch_rank_order(1000, 0, 3, 62, 1, 16, 0)
-    position = reshard_position({"epoch": 3, "batch_index": 7, "world_size": 2, "seed": 0}, 1)
-    assert position["batch_index"] == 14 and position["world_size"] == 1
-    assert (one[14:16].reshape(-1) == np.concatenate([two[0][7], two[1][7]])).all()
-
-    # 8 steps on 2 ranks: the checkpoint of step 4 lies inside a local-step period, step 8 (the last) is synchronised.
-    run_dir = tmp_path / "run"
-    args = thirty_steps(cache_dir, "train.checkpoint_every=4")
-    first = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args, "--set", "train.steps=8")
+    # Global batches of 24 in micro-batches of 4: 3 a step on each of 2 ranks, 6 on 1 rank, 2 on each of 3.
+    args = thirty_steps(
+        cache_dir, "train.steps=10", "train.checkpoint_every=1", "train.keep_checkpoints=20", "train.global_batch_size=24", "train.micro_batch_size=4"
+    )
+    whole = tmp_path / "whole"
+    first = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(whole), *args)
     assert first.returncode == 0, first.stderr[-3000:]
-    local = run_dir / "checkpoints" / "step_00000004"
+
+    def checkpoint(run_dir: Path, step: int) -> Path:
+        return run_dir / "checkpoints" / f"step_{step:08d}"
+
+    synced = [step for step in range(3, 10) if read_marker(checkpoint(whole, step))["synced"]]
+    inside = [step for step in range(3, 10) if not read_marker(checkpoint(whole, step))["synced"]]
+    assert synced and inside, "0/1 Adam's local-step periods should leave synchronised and local checkpoints in steps 3-9"
+    local, start = checkpoint(whole, inside[0]), synced[0]
     assert "model" in torch.load(local / "rank_00001.pt", weights_only=False)  # the ranks' parameters differ there
 
-    refused = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args, "--resume", "auto", "--nproc", "1")
+    refused = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(whole), *args, "--resume", "auto", "--nproc", "1")
     assert refused.returncode == 2 and "pass --reshard" in refused.stderr, refused.stderr[-3000:]
-    inside = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args, "--resume", str(local), "--reshard", "--nproc", "1")
-    assert inside.returncode == 2 and "it was taken inside a 0/1 Adam local-step period" in inside.stderr, inside.stderr[-3000:]
-    assert "Traceback" not in refused.stderr + inside.stderr
+    in_period = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(whole), *args, "--resume", str(local), "--reshard", "--nproc", "1")
+    assert in_period.returncode == 2 and "it was taken inside a 0/1 Adam local-step period" in in_period.stderr, in_period.stderr[-3000:]
+    assert "Traceback" not in refused.stderr + in_period.stderr
 
-    done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args, "--set", "train.steps=12", "--resume", "auto", "--reshard", "--nproc", "1")
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resharding" in done.stderr and "from 2 to 1 ranks" in done.stderr
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 13)) and all(np.isfinite(r["loss"]) for r in rows)
-    assert read_marker(run_dir / "checkpoints" / "step_00000012")["world_size"] == 1
+    def positions(run_dir: Path, step: int) -> list[dict]:
+        world = read_marker(checkpoint(run_dir, step))["world_size"]
+        return [torch.load(checkpoint(run_dir, step) / f"rank_{rank:05d}.pt", weights_only=False)["loader"] for rank in range(world)]
+
+    def consumed(position: dict, world: int) -> list[int]:
+        """The blocks of the global batch after `position`, as the ranks of a run of `world` ranks (micro-batches of 4) take them:
+        recomputed from the loader's own order, rank after rank."""
+        taken = []
+        for rank in range(world):
+            order = SampleOrder(position["num_blocks"], 4, rank, world, position["seed"], 24)
+            order.load_state_dict(position)
+            taken += order.rows()[: order.accumulation].reshape(-1).tolist()
+        return taken
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+
+    for world in (1, 3):
+        out = tmp_path / f"on{world}"
+        done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(out), *args, "--resume", str(checkpoint(whole, start)), "--reshard", "--nproc", str(world))
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert "resharding" in done.stderr and f"from 2 to {world} ranks" in done.stderr
+        assert read_marker(checkpoint(out, 10))["world_size"] == world
+        for step in range(start + 1, 11):
+            before = positions(whole, step - 1)[0] if step == start + 1 else positions(out, step - 1)[0]
+            # every rank is at the uninterrupted run's place in the data after each step...
+            assert all(p == positions(whole, step)[0] | {"world_size": world, "micro_batch_size": 4} for p in positions(out, step)), step
+            # ...having taken, all ranks together, the uninterrupted run's global batch of that step
+            assert consumed(before, world) == consumed(positions(whole, step - 1)[0], 2), step
+        # The parameters of the synchronised checkpoint are the same on every rank: the first step's loss, the mean over
+        # its global batch, is the uninterrupted run's only if the ranks took the same samples.
+        assert losses(out)[start + 1] == pytest.approx(losses(whole)[start + 1], rel=1e-5)
+        assert sorted(losses(out)) == list(range(start + 1, 11)) and all(np.isfinite(v) for v in losses(out).values())

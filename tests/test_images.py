@@ -216,6 +216,32 @@ def test_augmented_global_batch_is_the_same_at_any_world_size(image_folder):
         assert_same_batches([{k: torch.cat([p[k] for p in parts]) for k in parts[0]}], [next(single)])
 
 
+def global_batches(samples, layout, steps: int, state=None, transform=raw_pixels) -> list[dict[str, torch.Tensor]]:
+    """`steps` global batches of 12 as the ranks of `layout` (world size, micro-batch size) take them:
+    each rank's micro-batches in order, rank after rank."""
+    world, micro = layout
+    loaders = [DistributedImageLoader(samples, transform, micro, rank=r, world_size=world, seed=7, global_batch_size=12) for r in range(world)]
+    for loader in loaders:
+        if state is not None:
+            loader.load_state_dict(state)
+    taken = [[take(loader, 12 // (world * micro)) for loader in loaders] for _ in range(steps)]
+    return [{k: torch.cat([b[k] for rank in step for b in rank]) for k in ("pixel_values", "labels")} for step in taken], loaders
+
+
+@pytest.mark.parametrize("layout", [(2, 3), (3, 2), (1, 4)], ids=lambda x: f"{x}")
+def test_with_accumulation_a_global_batch_and_a_position_mean_the_same_at_any_layout(image_folder, layout):
+    transform = train_transform(crop_size=8, min_scale=0.3)
+    reference, _ = global_batches(image_folder, (1, 12), 7, transform=transform)  # 3 global batches an epoch: into the third epoch
+    steps, _ = global_batches(image_folder, layout, 7, transform=transform)
+    assert_same_batches(steps, reference)  # the same images in the same order, augmented alike
+    ids = [sample_ids(step) for step in global_batches(image_folder, layout, 3)[0]]
+    assert len(set(itertools.chain(*ids))) == 36  # an epoch: no image twice
+    for taken in (2, 3):  # inside an epoch, at its end
+        _, loaders = global_batches(image_folder, (2, 3), taken, transform=transform)
+        continued, _ = global_batches(image_folder, layout, 7 - taken, state=loaders[1].state_dict(), transform=transform)
+        assert_same_batches(continued, reference[taken:])
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(image_folder):
     """Seven batches (an epoch is five) of the augmented loader without workers, taken in one go."""
@@ -229,11 +255,11 @@ def test_resume_is_exact_and_independent_of_workers(image_folder, uninterrupted,
     with closing(DistributedImageLoader(image_folder, transform, 8, seed=11, num_workers=num_workers)) as first:
         assert_same_batches(take(first, 3), uninterrupted[:3])
         state = first.state_dict()  # the workers have prefetched beyond batch 3; the state is what was taken
-    assert state == {"epoch": 0, "batch_index": 3, "seed": 11, "world_size": 1, "micro_batch_size": 8, "num_samples": 40}
+    assert state == {"epoch": 0, "sample": 24, "micro": 0, "world_size": 1, "micro_batch_size": 8, "global_batch_size": 8, "seed": 11, "num_samples": 40}
     with closing(DistributedImageLoader(image_folder, transform, 8, seed=11, num_workers=num_workers)) as resumed:
         resumed.load_state_dict(state)
         assert_same_batches(take(resumed, 4), uninterrupted[3:])
-        assert resumed.state_dict()["epoch"] == 1 and resumed.state_dict()["batch_index"] == 2
+        assert resumed.state_dict()["epoch"] == 1 and resumed.state_dict()["sample"] == 16
         resumed.load_state_dict(state)  # rewinding mid-run drops the batches already in flight
         assert_same_batches(take(resumed, 1), uninterrupted[3:4])
 
@@ -256,11 +282,13 @@ def test_resume_checks_and_too_little_data(image_folder):
     state = DistributedImageLoader(image_folder, raw_pixels, 4, seed=1).state_dict()
     with pytest.raises(UserError, match=r"checkpoint has seed=1 and this run 2"):
         DistributedImageLoader(image_folder, raw_pixels, 4, seed=2).load_state_dict(state)
-    with pytest.raises(UserError, match=r"checkpoint has world_size=1 and this run 2"):
-        DistributedImageLoader(image_folder, raw_pixels, 4, rank=1, world_size=2, seed=1).load_state_dict(state)
+    inside = DistributedImageLoader(image_folder, raw_pixels, 2, seed=1, global_batch_size=4)
+    take(inside, 1)
+    with pytest.raises(UserError, match=r"with world_size 1 \(now 2\), micro_batch_size 2 \(now 4\), global_batch_size 4 \(now 8\): its position lies inside"):
+        DistributedImageLoader(image_folder, raw_pixels, 4, rank=1, world_size=2, seed=1).load_state_dict(inside.state_dict())
     with pytest.raises(UserError, match=r"checkpoint has num_samples=40 and this run 39"):
         DistributedImageLoader(image_folder[:39], raw_pixels, 4, seed=1).load_state_dict(state)
-    with pytest.raises(UserError, match=r"has 40 images, fewer than world size x micro batch size = 48"):
+    with pytest.raises(UserError, match=r"has 40 images, fewer than a global batch of 48"):
         DistributedImageLoader(image_folder, raw_pixels, 16, world_size=3)
 
 
@@ -275,7 +303,7 @@ def test_corrupt_image_stops_with_its_path(tmp_path, num_workers):
         next(loader)
     expected = f"Image file {bad} is corrupt or unreadable (not a recognised image format); replace or delete it, then resume the run."
     assert str(error.value) == expected and isinstance(error.value, UserError)
-    assert loader.state_dict()["batch_index"] == 0  # the failed batch was not consumed
+    assert loader.state_dict()["sample"] == 0  # the failed batch was not consumed
     loader.close()
 
 

@@ -839,22 +839,41 @@ def bench_loader(
     recipe: Annotated[Path, typer.Argument(help="A YAML recipe whose data and model are measured.")],
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
     batches: Annotated[int, typer.Option(help="Micro-batches timed. [default: 20]", show_default=False)] = 20,
+    step_time: Annotated[
+        str,
+        typer.Option(
+            help="A training step's time on one rank, e.g. 93ms (a real run's), instead of measuring one here. [default: measured]", show_default=False
+        ),
+    ] = "",
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
-    """The data loader alone vs forward+backward+AdamW on the same micro-batches, one process."""
+    """One rank's data loader (tokens/s or images/s) against the trainer's consumption per rank on the recipe, one process."""
     from zoa_train.bench.limits import check_count
     from zoa_train.bench.loader import run_loader_bench
     from zoa_train.config import load_recipe
+    from zoa_train.optim.plan import parse_latency
 
     check_count("--batches", batches)
-    result = run_loader_bench(load_recipe(recipe, set_), batches)
+    step_s = None
+    if step_time:
+        try:
+            step_s = parse_latency(step_time)
+        except UserError:
+            step_s = 0.0
+        if not step_s > 0:
+            raise UserError(f"--step-time {step_time!r} is not understood: expected a positive time with a unit ns, us, ms or s, e.g. 250ms.")
+    r = run_loader_bench(load_recipe(recipe, set_), batches, step_s)
     if as_json:
-        print(dumps_json(result))
+        print(dumps_json(r))
         return
+    unit = r["unit"]
+    how = f"measured here: forward, backward and AdamW on {r['step_threads']} thread(s), a rank's share" if r["step_time"] == "measured" else "given"
     console.print(
-        f"loader {result['loader_s_per_batch'] * 1e3:.2f} ms/batch ({result['loader_units_per_s']:,.0f} {result['unit']}/s), "
-        f"training step {result['step_s_per_batch'] * 1e3:.1f} ms/batch ({result['step_units_per_s']:,.0f} {result['unit']}/s): "
-        f"the loader takes {100 * result['loader_share_of_step']:.2f}% of a step's time"
+        f"rank 0 of {r['world_size']}: the loader gives {r['loader_units_per_s_per_rank']:,.0f} {unit}/s "
+        f"({r['loader_s_per_batch'] * 1e3:.2f} ms per micro-batch of {r['micro_batch_size']}); "
+        f"the trainer takes {r['trainer_units_per_s_per_rank']:,.0f} {unit}/s per rank "
+        f"({r['units_per_step_per_rank']:,} {unit} a step in {r['step_s'] * 1e3:.1f} ms, {how}): "
+        f"the loader is {r['loader_over_trainer']:,.1f}x the trainer's need (target: at least 10x)"
     )
 
 

@@ -4,9 +4,9 @@ Layout: ``<root>/{train,val}/<class name>/<image>``, as torchvision's ImageFolde
 indices are the class folder names in sorted order. ``prepare_digits`` builds such a tree from
 scikit-learn's bundled 8x8 handwritten digits (no download), upscaled to 32x32 RGB.
 
-``DistributedImageLoader`` has the semantics of the text ``DistributedBatchLoader``: epoch ``e``
-orders the samples by a permutation drawn from (seed, e) alone, rank ``r`` takes the ``r``-th
-micro-batch of each global batch, and the position (epoch, batch index) is all the state. Images
+``DistributedImageLoader`` has the semantics of the text ``DistributedBatchLoader``: one global
+order of samples, each global batch split among the ranks, and the position is all the state
+(``SampleOrder``). Images
 are decoded and augmented in DataLoader worker processes. Each item's random draws (crop, flip)
 come from a seed derived from (seed, epoch, sample index) alone, so an item is augmented the same
 way whichever worker decodes it, however many workers there are, at any world size, and after a
@@ -32,7 +32,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_datas
 from torchvision.transforms import v2
 
 from zoa_train.data.cache import exclusive_lock, temporary_name
-from zoa_train.data.lm import check_same_data, epoch_rank_order
+from zoa_train.data.lm import SampleOrder, check_same_data
 from zoa_train.errors import UserError
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -313,34 +313,32 @@ def _data_loader(
 
 
 class _EpochBatchSampler:
-    """Yields batches of (index, seed) keys from ``start`` to the end of the current epoch's ``keys``; set before each iterator."""
+    """Yields batches of (index, seed) keys: this rank's micro-batches from the position to the end of the epoch; set before each iterator."""
 
     def __init__(self) -> None:
         self.keys = np.empty((0, 0, 2), dtype=np.int64)  # (batches, micro_batch_size, [index, seed])
-        self.start = 0
 
     def __len__(self) -> int:
-        return len(self.keys) - self.start
+        return len(self.keys)
 
     def __iter__(self) -> Iterator[list[tuple[int, int]]]:
-        for batch in self.keys[self.start :]:
+        for batch in self.keys:
             yield [tuple(key) for key in batch.tolist()]
 
 
 class DistributedImageLoader:
     """Endless image micro-batches for one rank of a data-parallel run, reshuffled and re-augmented every epoch.
 
-    The same schedule as the text ``DistributedBatchLoader``: epoch ``e`` orders all samples by a
-    permutation drawn from (seed, e) alone; global batch ``b`` takes the next ``world_size *
-    micro_batch_size`` samples and rank ``r`` the ``r``-th ``micro_batch_size`` of them; the
-    samples left over at the end of an epoch are skipped that epoch. Sample ``i`` of epoch ``e`` is
-    augmented from a seed drawn from (seed, e) for ``i``, so it looks the same at any world size and
-    number of workers.
+    The same order as the text ``DistributedBatchLoader`` (``SampleOrder``: one global order, each
+    global batch of ``global_batch_size`` split among the ranks; by default one micro-batch per rank).
+    Sample ``i`` of epoch ``e`` is augmented from a seed drawn from (seed, e) for ``i``, so it looks
+    the same at any world size and number of workers.
 
     Decoding runs in a DataLoader with ``num_workers`` persistent worker processes (0: in this
     process), each keeping ``prefetch_factor`` batches in flight. The state is the position of the
     batches returned so far, not of those prefetched, so ``state_dict`` / ``load_state_dict`` resume
-    exactly; the DataLoader iterator restarts at each epoch and after ``load_state_dict``.
+    exactly (and at another world size, micro-batch or global batch size continue at the next unseen
+    sample); the DataLoader iterator restarts at each epoch and after ``load_state_dict``.
     """
 
     def __init__(
@@ -354,69 +352,59 @@ class DistributedImageLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         prefetch_factor: int = 2,
+        global_batch_size: int | None = None,
     ):
-        if not 0 <= rank < world_size or micro_batch_size < 1 or num_workers < 0:
-            raise ValueError(
-                f"need 0 <= rank < world_size, micro_batch_size >= 1 and num_workers >= 0, got {rank}, {world_size}, {micro_batch_size}, {num_workers}"
-            )
-        self.dataset = ImageDataset(samples, transform)
-        self.micro_batch_size, self.rank, self.world_size, self.seed = micro_batch_size, rank, world_size, seed
-        self.batches_per_epoch = len(self.dataset) // (world_size * micro_batch_size)
-        if self.batches_per_epoch == 0:
+        if num_workers < 0:
+            raise ValueError(f"need num_workers >= 0, got {num_workers}")
+        global_batch_size = global_batch_size or world_size * micro_batch_size
+        if len(samples) < global_batch_size:
             raise UserError(
-                f"The training data has {len(self.dataset)} images, fewer than world size x micro batch size "
-                f"= {world_size * micro_batch_size}; use more images or a smaller batch."
+                f"The training data has {len(samples)} images, fewer than a global batch of {global_batch_size}; use more images or a smaller batch."
             )
-        self.epoch = self.batch_index = 0
-        self._keys_epoch, self._keys = -1, np.empty((0, micro_batch_size, 2), dtype=np.int64)
+        self.order = SampleOrder(len(samples), micro_batch_size, rank, world_size, seed, global_batch_size)
+        self.dataset, self.seed = ImageDataset(samples, transform), seed
+        self._seeds_epoch, self._item_seeds = -1, np.empty(0, dtype=np.int64)
         self._sampler = _EpochBatchSampler()
         self._loader = _data_loader(self.dataset, self._sampler, num_workers, pin_memory, prefetch_factor, persistent=True)
         self._batches: Iterator[dict[str, torch.Tensor]] | None = None  # the DataLoader iterator, from the current position
+        self._left = 0  # the batches that iterator has still to give, to the epoch's end
 
     def __len__(self) -> int:
-        """Batches per epoch (the iterator itself never ends)."""
-        return self.batches_per_epoch
+        """Micro-batches per epoch of this rank (the iterator itself never ends)."""
+        return len(self.order)
 
     def __iter__(self) -> "DistributedImageLoader":
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
-        if self.batch_index == self.batches_per_epoch:
-            self.epoch, self.batch_index, self._batches = self.epoch + 1, 0, None
-        if self._batches is None:
-            self._sampler.keys, self._sampler.start = self._epoch_keys(), self.batch_index
+        if self._batches is None or self._left == 0:
+            rows = self.order.rows()
+            self._sampler.keys, self._left = np.stack([rows, self._epoch_item_seeds()[rows]], axis=-1), len(rows)
             self._batches = iter(self._loader)  # with persistent workers: the same workers, in-flight batches dropped
         try:
             batch = next(self._batches)
         except BaseException:
             self._batches = None  # a retry restarts at this same batch rather than the one after it
             raise
-        self.batch_index += 1
+        self._left -= 1
+        self.order.advance()
         return batch
 
-    def _epoch_keys(self) -> np.ndarray:
-        """This rank's (index, seed) keys for the current epoch, shape (batches_per_epoch, micro_batch_size, 2); cached per epoch."""
-        if self._keys_epoch != self.epoch:
-            count = len(self.dataset)
-            order = epoch_rank_order(count, self.seed, self.epoch, self.batches_per_epoch, self.world_size, self.micro_batch_size, self.rank)
-            item_seeds = np.random.default_rng([self.seed, self.epoch, _AUGMENT_STREAM]).integers(2**63, size=count)
-            self._keys, self._keys_epoch = np.stack([order, item_seeds[order]], axis=-1), self.epoch
-        return self._keys
+    def _epoch_item_seeds(self) -> np.ndarray:
+        """Every sample's augmentation seed for the current epoch, by sample index; cached per epoch."""
+        if self._seeds_epoch != self.order.epoch:
+            generator = np.random.default_rng([self.seed, self.order.epoch, _AUGMENT_STREAM])
+            self._item_seeds, self._seeds_epoch = generator.integers(2**63, size=len(self.dataset)), self.order.epoch
+        return self._item_seeds
 
     def state_dict(self) -> dict[str, int]:
         """The position plus what must match for it to mean the same batches on resume."""
-        return {
-            "epoch": self.epoch,
-            "batch_index": self.batch_index,
-            "seed": self.seed,
-            "world_size": self.world_size,
-            "micro_batch_size": self.micro_batch_size,
-            "num_samples": len(self.dataset),
-        }
+        return self.order.state_dict() | {"seed": self.seed, "num_samples": len(self.dataset)}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         check_same_data(state, self.state_dict())
-        self.epoch, self.batch_index, self._batches = state["epoch"], state["batch_index"], None
+        self.order.load_state_dict(state)
+        self._batches = None
 
     def close(self) -> None:
         """Stop the worker processes now (they would otherwise stop when the loader is garbage-collected)."""

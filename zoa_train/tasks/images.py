@@ -46,6 +46,7 @@ class ImageClassification(Task):
             t.seed,
             num_workers=d.workers,
             pin_memory=self.channels_last,
+            global_batch_size=t.global_batch_size,
         )
 
     @classmethod

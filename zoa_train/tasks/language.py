@@ -70,7 +70,7 @@ class LanguageTask(Task):
             data = prepare_lm_data(source, tokenizer_family, Path(d.cache_dir).expanduser(), d.tokenizer, d.vocab_size, d.tokenize_workers)
         self.tokenizer = data.tokenizer
         self.units_per_sample = d.seq_len
-        self.loader = DistributedBatchLoader(self.blocks(data.train), t.micro_batch_size, rank, world_size, t.seed)
+        self.loader = DistributedBatchLoader(self.blocks(data.train), t.micro_batch_size, rank, world_size, t.seed, t.global_batch_size)
         self.val_blocks = self.blocks(data.validation)
 
     @classmethod

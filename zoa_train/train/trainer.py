@@ -134,25 +134,6 @@ def _store_get(key: str, wait_s: float) -> str | None:
     return None
 
 
-def reshard_position(state: dict, world_size: int, micro_batch_size: int | None = None) -> dict:
-    """A data loader position (epoch, batch_index in chunks of world_size * micro_batch_size samples) at
-    another world size or micro-batch size: the same epoch order continued at the same sample, so the
-    global batches that follow are the very ones the old layout would have drawn (until the epoch's
-    skipped tail, whose length depends on the layout)."""
-    micro = micro_batch_size or state.get("micro_batch_size", 1)
-    samples = state["batch_index"] * state["world_size"] * state.get("micro_batch_size", micro)
-    if samples % (world_size * micro):
-        log.warning(
-            "the data position (%d samples into epoch %d) does not divide into micro-batches of %d x %d ranks: rounded down",
-            samples,
-            state["epoch"],
-            micro,
-            world_size,
-        )
-    moved = {**state, "world_size": world_size, "batch_index": samples // (world_size * micro)}
-    return moved | ({"micro_batch_size": micro} if "micro_batch_size" in state else {})
-
-
 def _plain_numpy_state(state: tuple) -> tuple:
     """numpy's RNG state with its key array as a list of ints: a checkpoint holds plain values only."""
     name, keys, *rest = state
@@ -585,10 +566,7 @@ class Trainer:
                 "" if saved_world != self.world else " (another 1-bit sync layout)",
                 self.opt.resharded_state(),
             )
-        position = mine["loader"]
-        if resharded or position.get("micro_batch_size", self.recipe.train.micro_batch_size) != self.recipe.train.micro_batch_size:
-            position = reshard_position(position, self.world, self.recipe.train.micro_batch_size)
-        self.batches.load_state_dict(position)
+        self.batches.load_state_dict(mine["loader"])  # a position between global batches: the same on every rank, valid at any layout
         if self.rank < saved_world:  # a rank the checkpoint did not have keeps its fresh seed (rank_seed)
             torch.set_rng_state(mine["rng"]["torch"])
             if mine["rng"].get("device") is not None and self.device.type == "cuda":
