@@ -149,8 +149,6 @@ def run_command(
 def say_run_summary(run_dir: str, config, as_json: bool) -> None:
     """What a finished run did and where its files are, then the commands a user runs next (`--json`: the
     record alone, one JSON object)."""
-    import json
-
     from zoa_train.models import registry as models
     from zoa_train.optim.plan import format_bytes
     from zoa_train.runs import run_summary
@@ -158,7 +156,7 @@ def say_run_summary(run_dir: str, config, as_json: bool) -> None:
 
     done = run_summary(run_dir)
     if as_json:
-        print(json.dumps(done))
+        print(dumps_json(done))
         return
     lines = [f"done: {done['steps']:,} steps in {clock(done['wall_time_s'] or 0)}"]
     if done["val_loss"] is not None:
