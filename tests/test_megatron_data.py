@@ -76,9 +76,10 @@ def test_what_the_token_cache_writes_megatron_core_reads(megatron, tmp_path, cac
     assert [theirs[i].tolist() for i in range(30)] == [d.tolist() for d in docs]
     # The cache of a real split: megatron-core reads its shard, one document a sequence, each followed by EOS.
     data = prepare_lm_data(TextSource("bundled"), "gpt2", cache_dir, vocab_size=8192)
-    manifest = next(m for m in map(json.loads, map(Path.read_text, cache_dir.glob("tokens-*.json"))) if m["tokenizer"] == data.tokenizer.name_or_path)
+    manifests = map(json.loads, map(Path.read_text, cache_dir.glob("tokens-*.json")))
+    manifest = next(m for m in manifests if m["tokenizer"] == data.tokenizer.name_or_path and (m["source"], m["split"]) == ("bundled", "train"))
     shard = megatron.IndexedDataset(str(cache_dir / manifest["shards"][0]))
-    stream = data.train if manifest["split"] == "train" else data.validation
+    stream = data.train
     first = np.concatenate([shard[i] for i in range(100)])
     assert shard[0][-1] == shard[99][-1] == data.tokenizer.eos_token_id and first.tolist() == stream[: len(first)].tolist()
 
@@ -136,7 +137,7 @@ def test_two_ranks_train_gpt2_tiny_from_megatron_prefixes(tmp_path, cache_dir):
     """The token cache's own shards are Megatron prefixes: gpt2_tiny trains from them as data.source megatron."""
     tokenizer = prepare_lm_data(TextSource("bundled"), "gpt2", cache_dir, vocab_size=4096).tokenizer.name_or_path
     manifests = [json.loads(p.read_text()) for p in cache_dir.glob("tokens-*.json")]
-    shards = {m["split"]: [str(cache_dir / s) for s in m["shards"]] for m in manifests if m["tokenizer"] == tokenizer}
+    shards = {m["split"]: [str(cache_dir / s) for s in m["shards"]] for m in manifests if (m["tokenizer"], m["source"]) == (tokenizer, "bundled")}
     assert set(shards) == {"train", "validation"}
     sets = [
         "train.steps=2",

@@ -4,6 +4,8 @@ a build that stops keeps its finished shards and completes from there."""
 
 import json
 import os
+import socket
+import subprocess
 
 import numpy as np
 import pytest
@@ -70,7 +72,13 @@ def test_an_interrupted_build_keeps_its_finished_shards_and_completes(tokenizer,
     kept = shard_files(cache)
     assert len(kept) == 2 * 5 and not list(cache.glob("*.json"))  # five shards whole, no manifest: not complete
     assert [p.name for p in cache.iterdir() if p.name.startswith(".")] == []  # nothing half-written
-    (cache / f".{written[0].rsplit('_', 1)[0]}_00007.bin.tmp-node3-1234").write_bytes(b"\0" * 10)  # what a killed writer leaves
+    name = written[0].rsplit("_", 1)[0]
+    finished = subprocess.Popen(["true"])
+    gone = finished.pid if finished.wait() == 0 else None  # a process id that no process has now
+    abandoned = cache / f".{name}_00007.bin.tmp-{socket.gethostname()}-{gone}"  # what a killed writer of this host leaves
+    elsewhere = cache / f".{name}_00008.bin.tmp-another-host-{gone}"  # a writer on another node, perhaps at work
+    for path in (abandoned, elsewhere):
+        path.write_bytes(b"\0" * 10)
     stamps = {name: os.stat(cache / name).st_mtime_ns for name in kept}
 
     written.clear()
@@ -78,7 +86,7 @@ def test_an_interrupted_build_keeps_its_finished_shards_and_completes(tokenizer,
     resumed = load_or_build_tokens(corpus, "train", tokenizer, cache, workers=1)
     assert len(written) == len(resumed.arrays) - 5  # only the shards the first build did not finish
     assert {name: os.stat(cache / name).st_mtime_ns for name in kept} == stamps
-    assert not list(cache.glob(".*tmp*"))
+    assert not abandoned.exists() and elsewhere.exists()
     monkeypatch.setattr(shards, "_write_shard", real)
     whole = load_or_build_tokens(corpus, "train", tokenizer, tmp_path / "whole", workers=1)
     assert shard_files(cache) == shard_files(tmp_path / "whole") and np.array_equal(resumed[:], whole[:])

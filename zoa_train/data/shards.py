@@ -26,6 +26,7 @@ import json
 import logging
 import multiprocessing
 import os
+import socket
 import sys
 import time
 from collections.abc import Iterable, Iterator
@@ -128,8 +129,7 @@ def _build(texts: Iterable[str], backend: Tokenizer, separator: int, dtype: type
     """Tokenize ``texts`` into the shards of ``prefix`` that are not complete yet; the manifest's content.
     One process where one worker is asked for or the text fills one shard, else a pool of ``workers``."""
     started = time.perf_counter()
-    for stale in prefix.parent.glob(f".{prefix.name}_*.tmp-*"):  # left by a build that was killed
-        stale.unlink(missing_ok=True)
+    _remove_abandoned(prefix)
     chunks = _chunks(texts, shard_chars or SHARD_CHARS)
     head = list(itertools.islice(chunks, 2))
     chunks = itertools.chain(head, chunks)
@@ -159,6 +159,26 @@ def _build(texts: Iterable[str], backend: Tokenizer, separator: int, dtype: type
         "num_documents": num_docs,
         "seconds": round(seconds, 2),
     }
+
+
+def _remove_abandoned(prefix: Path) -> None:
+    """Remove the temporary files of shards whose writer is gone: a process of this host that no longer runs
+    (cache.temporary_name: .NAME.tmp-HOST-PID). Another host's are left alone: it may be writing them now."""
+    host = socket.gethostname()
+    for path in prefix.parent.glob(f".{prefix.name}_*.tmp-{host}-*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not _running(int(pid)):
+            path.unlink(missing_ok=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def _build_in_pool(chunks: Iterator[list[str]], backend, separator, dtype, prefix: Path, workers: int, counts: dict, progress: "BuildProgress") -> None:
