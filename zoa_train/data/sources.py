@@ -2,14 +2,15 @@
 
 Every source is reduced to the same thing, a stream of documents (strings) for the ``train`` or
 ``validation`` split, so that tokenizers and the token cache never care where text came from.
-Local files go through the ``datasets`` library's local builders, which work offline.
+Local files go through the ``datasets`` library's local builders, which work offline. Files and hub
+datasets can also be opened as a stream (``open_stream``), read while training (data/streaming.py).
 """
 
 import glob
 import hashlib
 import json
 import lzma
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -62,6 +63,11 @@ def iter_texts(source: TextSource, split: str, cache_dir: str | Path | None = No
     else:
         dataset = _load_split(source, split, cache_dir)
         texts = (t for batch in dataset.iter(batch_size=_READ_BATCH) for t in batch[source.text_field])
+    yield from documents(texts)
+
+
+def documents(texts: Iterable[str | None]) -> Iterator[str]:
+    """The documents among ``texts``: those not empty, missing or blank, stripped."""
     for text in texts:
         if text and not text.isspace():
             yield text.strip()
@@ -103,11 +109,7 @@ def _load_split(source: TextSource, split: str, cache_dir):
     import datasets
 
     if source.name == "files":
-        data_files = {"train": _expand(source.train_files)}
-        if source.validation_files:
-            data_files["validation"] = _expand(source.validation_files)
-        builder = _builder_for(data_files["train"] + data_files.get("validation", []))
-        options = {"sample_by": source.txt_sample_by} if builder == "text" else {}
+        builder, data_files, options = _local_files(source)
         described = f"data files {', '.join(f for fs in data_files.values() for f in fs)}"
         try:
             splits = datasets.load_dataset(builder, data_files=data_files, cache_dir=cache_dir, **options)
@@ -130,6 +132,67 @@ def _load_split(source: TextSource, split: str, cache_dir):
     if val_name not in splits:
         dataset = _held_out(dataset, split, source.validation_fraction)
     return dataset
+
+
+def _local_files(source: TextSource) -> tuple[str, dict[str, list[str]], dict]:
+    """A files source as the ``datasets`` builder, its data_files by split and the builder's options."""
+    data_files = {"train": _expand(source.train_files)}
+    if source.validation_files:
+        data_files["validation"] = _expand(source.validation_files)
+    builder = _builder_for(data_files["train"] + data_files.get("validation", []))
+    return builder, data_files, {"sample_by": source.txt_sample_by} if builder == "text" else {}
+
+
+@dataclass
+class Stream:
+    """A split opened as a ``datasets`` IterableDataset of one column (``text_field``), in Arrow tables: one
+    rank's part of it, and what to call it in a message."""
+
+    dataset: object  # datasets.IterableDataset
+    field: str
+    described: str
+    rank: int = 0
+    world_size: int = 1
+
+
+def open_stream(source: TextSource, split: str, rank: int = 0, world_size: int = 1) -> Stream:
+    """``split`` of a files or hub source as a stream that is read while training, this rank's part of it.
+
+    ``datasets.distributed.split_dataset_by_node`` gives each rank whole files (hub shards) where their
+    number divides by ``world_size``, else every ``world_size``-th document (each rank then reads every
+    file, but tokenizes only its own documents). Local files need no network; a hub dataset is read
+    over it. A split without ``text_field`` is refused in one sentence.
+    """
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    if source.name == "files":
+        builder, data_files, options = _local_files(source)
+        if split not in data_files:
+            raise UserError("A streamed files source reads its validation batches from validation_files; give at least one.")
+        described = f"data files {', '.join(data_files[split])}"
+        try:
+            dataset = datasets.load_dataset(builder, data_files={split: data_files[split]}, split=split, streaming=True, **options)
+        except (OSError, ValueError) as e:
+            raise UserError(f"Could not read {described}: {e}.") from e
+    else:
+        name = source.train_split if split == "train" else source.validation_split
+        described = f"hub dataset {source.name!r}" + (f" (config {source.config!r})" if source.config else "") + f", split {name!r}"
+        try:
+            dataset = datasets.load_dataset(source.name, source.config, split=name, streaming=True)
+        except (OSError, ValueError, datasets.exceptions.DatasetNotFoundError) as e:
+            raise UserError(f"Could not load {described} ({e}); without internet use local files.") from e
+    try:
+        fields = dataset.column_names or list(next(iter(dataset.take(1)), {}))  # the text builder's are known only once read
+    except (OSError, ValueError) as e:  # ValueError: text that is not UTF-8, JSON or Parquet that is not (pyarrow.ArrowInvalid)
+        raise UserError(f"Could not read {described}: {e}.") from e
+    if source.text_field not in fields:
+        raise UserError(
+            f"data.text_field {source.text_field!r} is not a field of the streamed {described}, whose fields are {', '.join(fields) or 'none'}; "
+            "set data.text_field to one of them."
+        )
+    dataset = split_dataset_by_node(dataset.select_columns([source.text_field]).with_format("arrow"), rank, world_size)
+    return Stream(dataset, source.text_field, described, rank, world_size)
 
 
 def _expand(patterns: tuple[str, ...]) -> list[str]:

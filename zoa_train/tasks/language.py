@@ -62,6 +62,14 @@ class LanguageTask(Task):
             name=d.source, config=d.config, train_files=tuple(d.train_files), validation_files=tuple(d.validation_files), text_field=d.text_field
         )
         tokenizer_family = registry.get(recipe.model.kind).tokenizer  # the kind of tokenizer trained when none is given
+        self.val_layout = (rank, world_size)  # whose slice of val_blocks this rank validates on
+        if d.streaming:  # read while training, each rank its own part of the stream (zoa_train/data/streaming.py)
+            from zoa_train.data.streaming import open_lm_stream
+
+            stream = open_lm_stream(source, tokenizer_family, recipe, rank, world_size)
+            self.tokenizer, self.units_per_sample = stream.tokenizer, d.seq_len
+            self.loader, self.val_blocks, self.val_layout = stream.batches(self.blocks), stream.validation(self.blocks), (0, 1)  # its own val_blocks
+            return
         if d.source == "megatron":  # Megatron indexed datasets, mapped as they are (zoa_train/data/megatron.py)
             from zoa_train.data.prepare import prepare_megatron_data
 
@@ -91,6 +99,10 @@ class LanguageTask(Task):
         from zoa_train.data.megatron import check_recipe
 
         check_recipe(d, origin)
+        if d.streaming:
+            from zoa_train.data.streaming import check_streaming
+
+            check_streaming(recipe, origin)
 
     @classmethod
     def model_for_counting(cls, recipe) -> torch.nn.Module:
@@ -143,7 +155,7 @@ class LanguageTask(Task):
         from zoa_train.data import validation_batches
 
         t = self.recipe.train
-        return validation_batches(self.val_blocks, t.micro_batch_size, self.rank, self.world_size, max_batches=max_batches)
+        return validation_batches(self.val_blocks, t.micro_batch_size, *self.val_layout, max_batches=max_batches)
 
     def metric_sums(self, model: torch.nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         # Every rank runs the same number of equal batches: the mean of batch means is the mean.

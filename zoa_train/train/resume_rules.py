@@ -51,7 +51,9 @@ _SEED = "it drew the initial model and seeds the data order and every rank's ran
 
 RULES: dict[str, Rule] = {
     **dict.fromkeys(
-        ["data.source", "data.config", "data.train_files", "data.text_field", "data.tokenizer", "data.vocab_size", "data.seq_len", "data.root"], _SAME_DATA
+        ["data.source", "data.config", "data.train_files", "data.text_field", "data.tokenizer", "data.vocab_size", "data.seq_len", "data.root"]
+        + ["data.streaming", "data.shuffle_window"],  # a streamed position is one of the stream, read in windows of that size
+        _SAME_DATA,
     ),
     "data.validation_files": lambda c: None if c.was and c.now else _HELD_OUT,
     **dict.fromkeys(["data.cache_dir", "data.workers", "data.crop_size", "data.resize_size", "data.min_crop_scale", "data.hflip"]),
