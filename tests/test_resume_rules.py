@@ -71,6 +71,7 @@ LEAVES_TRAINING = {
         [
             "data.cache_dir",
             "data.workers",
+            "data.tokenize_workers",  # the same token shards, built by more or fewer processes
             "train.skip_nonfinite",
             "train.nproc",
             "train.backend",

@@ -191,7 +191,7 @@ def reference_run(cluster, cache_dir, tmp_path_factory) -> Path:
 @pytest.mark.slow
 def test_a_torchrun_job_completes(reference_run):
     log = next((reference_run / "slurm").glob("job-*.out")).read_text()
-    assert "zoa-train: job" in log and f"'step': {STEPS}" in log
+    assert "zoa-train: job" in log and f"done: {STEPS} steps in " in log
     assert len((reference_run / "metrics.jsonl").read_text().splitlines()) == STEPS // 10
     assert (reference_run / "checkpoints" / f"step_{STEPS:08d}" / "COMPLETE").is_file()
     events = [json.loads(line)["event"] for line in (reference_run / "slurm" / "jobs.jsonl").read_text().splitlines()]
@@ -207,7 +207,7 @@ def test_an_srun_job_completes(cluster, cache_dir, tmp_path):
     info = cluster.wait(job_id, timeout=300)
     log = (run_dir / "slurm" / f"job-{job_id}.out").read_text()
     assert info["JobState"] == "COMPLETED", log[-3000:]
-    assert "'step': 20" in log and (run_dir / "checkpoints" / "step_00000020" / "COMPLETE").is_file()
+    assert "done: 20 steps in " in log and (run_dir / "checkpoints" / "step_00000020" / "COMPLETE").is_file()
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
 
 

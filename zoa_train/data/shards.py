@@ -125,12 +125,12 @@ def _backend(tokenizer: "PreTrainedTokenizerBase") -> Tokenizer:
     return backend
 
 
-def _build(texts: Iterable[str], backend: Tokenizer, separator: int, dtype: type, prefix: Path, workers: int, what: str, shard_chars: int = 0) -> dict:
+def _build(texts: Iterable[str], backend: Tokenizer, separator: int, dtype: type, prefix: Path, workers: int, what: str) -> dict:
     """Tokenize ``texts`` into the shards of ``prefix`` that are not complete yet; the manifest's content.
     One process where one worker is asked for or the text fills one shard, else a pool of ``workers``."""
     started = time.perf_counter()
     _remove_abandoned(prefix)
-    chunks = _chunks(texts, shard_chars or SHARD_CHARS)
+    chunks = _chunks(texts, SHARD_CHARS)
     head = list(itertools.islice(chunks, 2))
     chunks = itertools.chain(head, chunks)
     counts: dict[int, tuple[int, int]] = {}  # shard -> (documents, tokens)
