@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from zoa_train.data import TextSource, prepare_lm_data
-from zoa_train.data.shards import _backend, _build, available_cores, document_separator
+from zoa_train.data.shards import available_cores, build_shards, document_separator, fast_backend
 from zoa_train.data.sources import bundled_paragraphs
 
 
@@ -41,7 +41,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     tokenizer = prepare_lm_data(TextSource("bundled"), "gpt2", args.cache_dir, vocab_size=8192).tokenizer
-    backend, separator = _backend(tokenizer), document_separator(tokenizer)
+    backend, separator = fast_backend(tokenizer), document_separator(tokenizer)
     paragraphs = bundled_paragraphs()
     rng = np.random.default_rng(0)
     texts = [paragraphs[i] for _ in range(args.copies) for i in rng.permutation(len(paragraphs))]
@@ -52,7 +52,7 @@ def main() -> None:
                 prefix = Path(tmp) / f"round{round_}-w{workers}" / "tokens"
                 prefix.parent.mkdir()
                 cpu, started = _cpu_seconds(), time.perf_counter()
-                manifest = _build(iter(texts), backend, separator, np.uint16, prefix, workers, f"bench, {workers} worker(s)")
+                manifest = build_shards(iter(texts), backend, separator, np.uint16, prefix, workers, f"bench, {workers} worker(s)")
                 seconds, cpu = time.perf_counter() - started, _cpu_seconds() - cpu
                 result = {"workers": workers, "tokens": manifest["num_tokens"], "shards": len(manifest["shards"]), "seconds": round(seconds, 2)}
                 # cores_busy: CPU time (this process and its workers) over wall time; below the workers' number where

@@ -19,7 +19,7 @@ import torch
 
 from zoa_train.config import load_recipe
 from zoa_train.data import TextSource, iter_texts, prepare_lm_data
-from zoa_train.data.shards import _backend, document_separator
+from zoa_train.data.shards import document_separator, fast_backend
 from zoa_train.models import registry
 
 
@@ -38,7 +38,7 @@ def main() -> None:
     source = TextSource(name=d.source, config=d.config, train_files=tuple(d.train_files), validation_files=tuple(d.validation_files), text_field=d.text_field)
     cache_dir = Path(d.cache_dir).expanduser()
     tokenizer = prepare_lm_data(source, registry.get(recipe.model.kind).tokenizer, cache_dir, d.tokenizer, d.vocab_size).tokenizer
-    backend, separator = _backend(tokenizer), document_separator(tokenizer)
+    backend, separator = fast_backend(tokenizer), document_separator(tokenizer)
     dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32
     args.out.mkdir(parents=True, exist_ok=True)
     for split in ("train", "validation"):

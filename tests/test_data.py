@@ -47,13 +47,13 @@ def bert(cache_dir):
 def count_encodes(monkeypatch):
     """Counts calls to the token cache's encoder, i.e. whether anything was tokenized."""
     calls = []
-    real = shards._encode
+    real = shards.encode_documents
 
     def counting(*args):
         calls.append(len(args[1]))
         return real(*args)
 
-    monkeypatch.setattr(shards, "_encode", counting)
+    monkeypatch.setattr(shards, "encode_documents", counting)
     return calls
 
 
@@ -217,7 +217,7 @@ def test_token_cache_never_leaves_a_partial_file(gpt2, tmp_path, monkeypatch):
     source = TextSource("files", train_files=(write_txt(tmp_path / "a.txt", [SENTENCE] * 100),))
     cache = tmp_path / "cache"
     monkeypatch.setattr(shards, "ENCODE_BATCH", 10)
-    real, calls = shards._encode, []
+    real, calls = shards.encode_documents, []
 
     def failing(*args):
         calls.append(1)
@@ -225,24 +225,24 @@ def test_token_cache_never_leaves_a_partial_file(gpt2, tmp_path, monkeypatch):
             raise KeyboardInterrupt  # as if the job were killed mid-write
         return real(*args)
 
-    monkeypatch.setattr(shards, "_encode", failing)
+    monkeypatch.setattr(shards, "encode_documents", failing)
     with pytest.raises(KeyboardInterrupt):
         load_or_build_tokens(source, "train", gpt2.tokenizer, cache)
     assert [p.suffix for p in cache.iterdir() if p.is_file()] == [".lock"]  # no .bin, no .json, no temporary file
-    monkeypatch.setattr(shards, "_encode", real)
+    monkeypatch.setattr(shards, "encode_documents", real)
     assert len(load_or_build_tokens(source, "train", gpt2.tokenizer, cache)) > 0
 
 
 def test_concurrent_ranks_build_the_cache_once(gpt2, tmp_path, monkeypatch):
     source = TextSource("files", train_files=(write_txt(tmp_path / "a.txt", [SENTENCE] * 200),))
-    real, builds = shards._build, []
+    real, builds = shards.build_shards, []
 
     def slow_build(*args):
         builds.append(1)
         time.sleep(0.3)  # widen the window in which the other rank arrives
         return real(*args)
 
-    monkeypatch.setattr(shards, "_build", slow_build)
+    monkeypatch.setattr(shards, "build_shards", slow_build)
     results = [None, None]
 
     def rank(r):

@@ -63,7 +63,7 @@ def load_or_build_tokens(
     then map the finished files.
     """
     cache_dir = Path(cache_dir)
-    backend = _backend(tokenizer)
+    backend = fast_backend(tokenizer)
     separator = document_separator(tokenizer)
     identity = [FORMAT_VERSION, SHARD_CHARS, source_fingerprint(source), split, backend.to_str(), separator]
     prefix = cache_dir / f"tokens-{hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:20]}"
@@ -75,7 +75,7 @@ def load_or_build_tokens(
             if shards is None:
                 dtype = np.uint16 if len(tokenizer) <= 2**16 else np.int32
                 texts = iter_texts(source, split, cache_dir / "datasets")
-                manifest = _build(texts, backend, separator, dtype, prefix, workers or available_cores(), f"{split} split of {source.name}")
+                manifest = build_shards(texts, backend, separator, dtype, prefix, workers or available_cores(), f"{split} split of {source.name}")
                 manifest |= {"source": source.name, "split": split, "tokenizer": tokenizer.name_or_path}
                 atomic_write_text(manifest_path, json.dumps(manifest, indent=1))
                 shards = _complete(manifest_path)
@@ -114,7 +114,7 @@ def _complete(manifest_path: Path):
         return None
 
 
-def _backend(tokenizer: "PreTrainedTokenizerBase") -> Tokenizer:
+def fast_backend(tokenizer: "PreTrainedTokenizerBase") -> Tokenizer:
     """A private copy of the Rust tokenizer with truncation and padding off, so every document is encoded whole."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
@@ -125,7 +125,7 @@ def _backend(tokenizer: "PreTrainedTokenizerBase") -> Tokenizer:
     return backend
 
 
-def _build(texts: Iterable[str], backend: Tokenizer, separator: int, dtype: type, prefix: Path, workers: int, what: str) -> dict:
+def build_shards(texts: Iterable[str], backend: Tokenizer, separator: int, dtype: type, prefix: Path, workers: int, what: str) -> dict:
     """Tokenize ``texts`` into the shards of ``prefix`` that are not complete yet; the manifest's content.
     One process where one worker is asked for or the text fills one shard, else a pool of ``workers``."""
     started = time.perf_counter()
@@ -256,12 +256,12 @@ def _existing(prefix: Path, index: int) -> tuple[int, int] | None:
 def _write_shard(backend: Tokenizer, texts: list[str], separator: int, dtype: type, prefix: Path) -> tuple[int, int]:
     """One shard's documents tokenized and written (zoa_train/data/indexed.py); (documents, tokens)."""
     lengths: list[np.ndarray] = []
-    tokens = np.concatenate([_encode(backend, batch, separator, dtype, lengths) for batch in _batched(texts, ENCODE_BATCH)])
+    tokens = np.concatenate([encode_documents(backend, batch, separator, dtype, lengths) for batch in _batched(texts, ENCODE_BATCH)])
     write_indexed(prefix, tokens, np.concatenate(lengths))
     return len(texts), len(tokens)
 
 
-def _encode(backend: Tokenizer, texts: list[str], separator: int, dtype: type, lengths: list | None = None) -> np.ndarray:
+def encode_documents(backend: Tokenizer, texts: list[str], separator: int, dtype: type, lengths: list | None = None) -> np.ndarray:
     """One flat array: each document's ids followed by the separator (no per-token Python work); each
     document's length with its separator appended to ``lengths`` (one array), where given."""
     docs = [e.ids for e in backend.encode_batch_fast(texts, add_special_tokens=False)]

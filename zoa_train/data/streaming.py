@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from zoa_train.data.lm import Blocks, sample_keys
-from zoa_train.data.shards import _backend, _encode
+from zoa_train.data.shards import encode_documents, fast_backend
 from zoa_train.data.sources import Stream, TextSource, documents, open_stream
 from zoa_train.errors import UserError
 
@@ -123,10 +123,10 @@ class DocumentEncoder:
         self.separator = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else tokenizer.sep_token_id
         if self.separator is None:
             raise UserError("The tokenizer has neither an EOS nor a SEP token to separate documents.")
-        self.backend = _backend(tokenizer)
+        self.backend = fast_backend(tokenizer)
 
     def __call__(self, texts: list[str]) -> np.ndarray:
-        return _encode(self.backend, texts, self.separator, np.int32) if texts else np.zeros(0, dtype=np.int32)
+        return encode_documents(self.backend, texts, self.separator, np.int32) if texts else np.zeros(0, dtype=np.int32)
 
 
 def token_chunks(

@@ -557,6 +557,8 @@ class Trainer:
             raise UserError(f"cannot resume from {path}: {e}.") from None
         for group, settings in zip(groups, built):  # the state is the checkpoint's, the settings this recipe's
             group.update(settings)
+        # Before the resharding is said: a streamed position is refused at another world size.
+        self.batches.load_state_dict(mine["loader"])  # a position between global batches: the same on every rank, valid at any layout but a stream's
         if resharded and self.is_main:
             log.warning(
                 "resharding %s from %d to %d ranks%s: %s; the data continue at the same sample of the same epoch order",
@@ -566,7 +568,6 @@ class Trainer:
                 "" if saved_world != self.world else " (another 1-bit sync layout)",
                 self.opt.resharded_state(),
             )
-        self.batches.load_state_dict(mine["loader"])  # a position between global batches: the same on every rank, valid at any layout
         if self.rank < saved_world:  # a rank the checkpoint did not have keeps its fresh seed (rank_seed)
             torch.set_rng_state(mine["rng"]["torch"])
             if mine["rng"].get("device") is not None and self.device.type == "cuda":
