@@ -17,7 +17,7 @@ from conftest import TORCHRUN, ZOA, refused, zoa_here
 
 from zoa_train import files
 from zoa_train.errors import UserError
-from zoa_train.evaluation import glue
+from zoa_train.evaluation import glue, glue_tasks
 
 FAST = ["--set", "finetune.lr=1e-3", "--set", "finetune.epochs=4", "--set", "finetune.seq_len=16", "--set", "finetune.batch_size=16"]
 
@@ -63,25 +63,25 @@ def test_metrics_match_independent_formulas():
     tp, tn, fp, fn = binary_counts(pred, gold)
 
     mcc = (tp * tn - fp * fn) / np.sqrt((tp + fp) * (tp + fn) * (tn + fp) * (tn + fn))
-    assert glue.glue_metrics("cola", pred, gold) == pytest.approx({"matthews_correlation": mcc}, abs=1e-12)
+    assert glue_tasks.glue_metrics("cola", pred, gold) == pytest.approx({"matthews_correlation": mcc}, abs=1e-12)
 
     accuracy = (tp + tn) / len(gold)
     f1 = 2 * tp / (2 * tp + fp + fn)
     for task in ("mrpc", "qqp"):
-        assert glue.glue_metrics(task, pred, gold) == pytest.approx({"accuracy": accuracy, "f1": f1}, abs=1e-12)
+        assert glue_tasks.glue_metrics(task, pred, gold) == pytest.approx({"accuracy": accuracy, "f1": f1}, abs=1e-12)
     for task in ("sst2", "qnli", "rte", "wnli"):
-        assert glue.glue_metrics(task, pred, gold) == pytest.approx({"accuracy": accuracy}, abs=1e-12)
+        assert glue_tasks.glue_metrics(task, pred, gold) == pytest.approx({"accuracy": accuracy}, abs=1e-12)
 
     three_gold = rng.integers(0, 3, 150)
     three_pred = np.where(rng.random(150) < 0.6, three_gold, rng.integers(0, 3, 150))
     acc3 = float(np.mean(three_pred == three_gold))
-    assert glue.glue_metrics("mnli", three_pred, three_gold) == pytest.approx({"accuracy": acc3})
-    assert glue.glue_metrics("mnli", three_pred, three_gold, "_mm") == pytest.approx({"accuracy_mm": acc3})
+    assert glue_tasks.glue_metrics("mnli", three_pred, three_gold) == pytest.approx({"accuracy": acc3})
+    assert glue_tasks.glue_metrics("mnli", three_pred, three_gold, "_mm") == pytest.approx({"accuracy_mm": acc3})
 
     scores = np.round(rng.uniform(0, 5, 120), 1)  # STS-B-like gold scores, with ties
     guesses = scores + rng.normal(0, 1.5, 120)
     expected = {"pearson": pearson(guesses, scores), "spearmanr": pearson(ranks(guesses), ranks(scores))}
-    assert glue.glue_metrics("stsb", guesses, scores) == pytest.approx(expected, abs=1e-10)
+    assert glue_tasks.glue_metrics("stsb", guesses, scores) == pytest.approx(expected, abs=1e-10)
     assert 0.3 < expected["spearmanr"] < 0.95  # not a degenerate case
 
 
@@ -98,19 +98,19 @@ def test_task_scores_and_the_glue_average_follow_the_leaderboard():
         "rte": {"accuracy": 0.701},
         "wnli": {"accuracy": 0.651},
     }
-    scores = {task: glue.task_score(task, metrics) for task, metrics in bert_large.items()}
+    scores = {task: glue_tasks.task_score(task, metrics) for task, metrics in bert_large.items()}
     assert scores["mrpc"] == pytest.approx((0.893 + 0.854) / 2)
     assert scores["stsb"] == pytest.approx((0.876 + 0.865) / 2)
     assert scores["mnli"] == pytest.approx((0.867 + 0.859) / 2)
-    assert round(100 * glue.glue_average(scores), 1) == 80.5
-    assert glue.glue_average(scores, without=("wnli",)) == pytest.approx((sum(scores.values()) - scores["wnli"]) / 8)
+    assert round(100 * glue_tasks.glue_average(scores), 1) == 80.5
+    assert glue_tasks.glue_average(scores, without=("wnli",)) == pytest.approx((sum(scores.values()) - scores["wnli"]) / 8)
 
 
 def test_median_over_seeds():
     runs = [{"f1": 0.8, "accuracy": 0.7}, {"f1": 0.6, "accuracy": 0.9}, {"f1": 0.7, "accuracy": 0.8}]
-    assert glue.median_metrics(runs) == pytest.approx({"f1": 0.7, "accuracy": 0.8})
-    assert glue.median_metrics(runs[:2]) == pytest.approx({"f1": 0.7, "accuracy": 0.8})  # even: mean of the middle two
-    assert glue.median_metrics([{"pearson": float("nan")}, {"pearson": 0.5}]) == {"pearson": 0.5}
+    assert glue_tasks.median_metrics(runs) == pytest.approx({"f1": 0.7, "accuracy": 0.8})
+    assert glue_tasks.median_metrics(runs[:2]) == pytest.approx({"f1": 0.7, "accuracy": 0.8})  # even: mean of the middle two
+    assert glue_tasks.median_metrics([{"pearson": float("nan")}, {"pearson": 0.5}]) == {"pearson": 0.5}
 
 
 def test_finetune_settings_are_typed_and_validated():
@@ -215,7 +215,7 @@ def glue_dir(tmp_path_factory) -> Path:
 
 
 def test_readers_take_each_task_in_its_original_format(glue_dir):
-    data = {task: glue.load_task_data(glue_dir, task) for task in glue.TASKS}
+    data = {task: glue_tasks.load_task_data(glue_dir, task) for task in glue_tasks.TASKS}
     cola = data["cola"].train
     assert cola.labels == [1, 0, 1, 0] and cola.text_b is None
     assert cola.text_a[0] == "Our friends won't buy this analysis, let alone the next one we propose."
@@ -260,7 +260,7 @@ def test_readers_refuse_wrong_columns_naming_file_and_columns(tmp_path, name, te
     path.write_text(text)
     task = {"SST-2": "sst2", "CoLA": "cola", "MNLI": "mnli", "RTE": "rte"}[path.parent.name]
     with pytest.raises(UserError) as error:
-        glue.read_glue_tsv(path, task)
+        glue_tasks.read_glue_tsv(path, task)
     assert str(path) in str(error.value) and words in str(error.value)
 
 
@@ -350,12 +350,12 @@ def test_all_tasks_end_to_end_with_the_glue_average(tiny_bert, glue_dir):
     overrides = ["finetune.epochs=1", "finetune.batch_size=2", "finetune.seq_len=24"]
     result = glue.evaluate_glue(tiny_bert, "all", glue_dir, overrides, seeds=1)
     tasks = result["tasks"]
-    assert list(tasks) == list(glue.TASKS)
+    assert list(tasks) == list(glue_tasks.TASKS)
     assert set(tasks["mnli"]["metrics"]) == {"accuracy", "accuracy_mm"} and tasks["mnli"]["dev_examples"] == {"dev": 2, "dev_mm": 2}
     assert set(tasks["stsb"]["metrics"]) == {"pearson", "spearmanr"} and set(tasks["cola"]["metrics"]) == {"matthews_correlation"}
     assert set(tasks["mrpc"]["metrics"]) == set(tasks["qqp"]["metrics"]) == {"accuracy", "f1"}
     assert tasks["qqp"]["skipped_rows"] == 1
-    scores = {name: glue.task_score(name, t["metrics"]) for name, t in tasks.items()}
+    scores = {name: glue_tasks.task_score(name, t["metrics"]) for name, t in tasks.items()}
     finite = all(not np.isnan(v) for v in scores.values())
     assert (result["glue_average"] == pytest.approx(np.mean(list(scores.values())))) if finite else np.isnan(result["glue_average"])
     json.dumps(files.finite(result), allow_nan=False)  # an undefined correlation is written as null
