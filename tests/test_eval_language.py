@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import refused, zoa, zoa_here
 
+from zoa_train.evaluation.eval_texts import split_articles, split_documents, wikitext_detokenize
 from zoa_train.evaluation.language import (
     Window,
     evaluate_lambada_texts,
@@ -24,10 +25,7 @@ from zoa_train.evaluation.language import (
     lambada_windows,
     plan_windows,
     score_windows,
-    split_articles,
-    split_documents,
     stream_windows,
-    wikitext_detokenize,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
