@@ -20,9 +20,9 @@ from typing import Literal
 import yaml
 
 from zoa_train import checks
+from zoa_train.comm import registry as collectives
 from zoa_train.comm.kernels import CHOICES as KERNEL_CHOICES
 from zoa_train.comm.sharding import SHARDINGS
-from zoa_train.comm.topology import TOPOLOGIES
 from zoa_train.errors import UserError
 from zoa_train.files import load_yaml
 from zoa_train.models import registry as models
@@ -108,6 +108,16 @@ def optimizer_section() -> type:
     return _made_section(OptimizerConfig, "name", registry.names(), DEFAULT_OPTIMIZER, [*dataclasses.fields(registry.SharedKnobs), *registry.knob_fields()])
 
 
+def comm_section() -> type:
+    """The comm section's dataclass for the collectives registered now (comm.topology: auto or one of them)."""
+    names = collectives.topologies()
+    if (CommConfig, names) not in _SECTION:
+        section = dataclasses.make_dataclass(CommConfig.__name__, [("topology", Literal[names], field(default="auto"))], bases=(CommConfig,))
+        section.__module__ = __name__
+        _SECTION[(CommConfig, names)] = section
+    return _SECTION[(CommConfig, names)]
+
+
 def model_section() -> type:
     """The model section's dataclass for the model families registered now."""
     return _made_section(ModelConfig, "kind", models.names(), DEFAULT_MODEL, [*dataclasses.fields(models.SharedKnobs), *models.knob_fields()])
@@ -157,7 +167,8 @@ class TrainConfig:
 class CommConfig:
     # How the 1-bit optimizers' sync uses the cluster (docs/algorithm.md, "Node-aware sync"): auto is
     # hierarchical on several nodes of several ranks each, all of one size, flat otherwise.
-    topology: Literal[TOPOLOGIES] = "auto"
+    # Any collective of zoa_train/comm/registry.py (`comm_section()` makes the section that lists them).
+    topology: str = "auto"
     ranks_per_node: int = 0  # 0: nodes found by hostname; G: ranks r*G..r*G+G-1 are node r (emulated nodes)
     # The 1-bit call's compute passes (zoa_train/comm/kernels): auto is fused (Triton on GPUs, C++ on
     # CPUs) where it runs, else torch ops; the choice changes speed, not the wire format.
@@ -190,7 +201,7 @@ class Recipe:
     optimizer: OptimizerConfig = field(default_factory=lambda: optimizer_section()())
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    comm: CommConfig = field(default_factory=CommConfig)
+    comm: CommConfig = field(default_factory=lambda: comm_section()())
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     # Python modules imported before the rest of the recipe is read, by every process that reads it:
     # they register optimizers (zoa_train.optim.registry.register; docs/optimizers.md) or model families
@@ -300,7 +311,7 @@ def build_section(cls, data, origin: str, prefix: str = ""):
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {prefix}{close[0]}?" if close else f"; valid keys are {', '.join(names)}."
             raise UserError(f"{origin}: unknown key {prefix}{key}{hint}")
-        made = {OptimizerConfig: optimizer_section, ModelConfig: model_section}.get(hints[key])
+        made = {OptimizerConfig: optimizer_section, ModelConfig: model_section, CommConfig: comm_section}.get(hints[key])
         kind = made() if made else hints[key]
         if dataclasses.is_dataclass(kind):
             values[key] = build_section(kind, value if value is not None else {}, origin, f"{prefix}{key}.")
@@ -431,7 +442,7 @@ def _check_sharding(recipe: Recipe, origin: str) -> None:
         raise UserError(
             f"{origin}: comm.shard node starts the rounds in step(), without buckets (FSDP2 overlaps its own collectives inside the node); set comm.overlap false and comm.bucket_cap_mb 0."
         )
-    if c.topology == "hierarchical":
+    if c.topology != collectives.AUTO and collectives.get(c.topology).node_aware:
         raise UserError(
             f"{origin}: comm.shard node sends each shard between nodes already (the node-aware sync's inter-node part); set comm.topology auto or flat."
         )

@@ -21,9 +21,11 @@ import time
 import torch
 import torch.distributed as dist
 
-from zoa_train.comm import CommLedger, HierarchicalOneBitAllReduce, OneBitAllReduce, pack_signs, unpack_signs
+from zoa_train.comm import CommLedger, OneBitAllReduce, pack_signs, unpack_signs
+from zoa_train.comm import registry as collectives
 from zoa_train.comm.topology import node_groups, nodes_by_count
 from zoa_train.distributed import init_process_group, threads_per_rank
+from zoa_train.optim.registry import import_modules
 
 FEEDBACK_CALLS = 50
 # What `bench ops` holds per rank and element of the call: the input buffers, the 1-bit call's error
@@ -93,17 +95,29 @@ def _timed(fn, device) -> float:
     return time.perf_counter() - start
 
 
-def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_node: int = 0) -> list[dict] | None:
+NODE_AWARE = "hierarchical"  # the registry's node-aware collective, timed with --ranks-per-node in columns of its own
+
+
+def others(node_aware: bool) -> list[collectives.CollectiveSpec]:
+    """The registered collectives timed besides flat and node-aware ones (those of --imports): the
+    node-aware among them only where there are nodes."""
+    return [c for c in collectives.specs()[1:] if c.name != NODE_AWARE and (node_aware or not c.node_aware)]
+
+
+def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_node: int = 0, imports: tuple[str, ...] = ()) -> list[dict] | None:
     """Body of one rank; rank 0 returns the rows. `ranks_per_node` G (nodes of G consecutive ranks):
-    the node-aware 1-bit allreduce is timed too, and the flat one's bytes are split by link."""
+    the node-aware 1-bit allreduce is timed too, and the flat one's bytes are split by link. `imports`:
+    modules that register collectives of their own, each timed too."""
+    import_modules(imports, "--imports")
     device = init_process_group(backend)
     torch.set_num_threads(threads_per_rank(dist.get_world_size()))
     rank, world = dist.get_rank(), dist.get_world_size()
     nodes = node_groups(nodes_by_count(world, ranks_per_node), "cuda" if device.type == "cuda" else "cpu") if ranks_per_node else None
+    flat = collectives.default().build
     rows = []
     for numel in sizes:
-        comm = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
-        unfused = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel), kernels="torch")
+        comm = flat(collectives.Settings())(numel, device=device, ledger=CommLedger(num_params=numel))
+        unfused = flat(collectives.Settings(kernels="torch"))(numel, device=device, ledger=CommLedger(num_params=numel))
         g = torch.Generator().manual_seed(1234 + rank)
         x = torch.zeros(comm.layout.padded, device=device)  # a buffer in the layout: padding at the end
         x[:numel] = torch.randn(numel, generator=g).to(device)
@@ -127,10 +141,16 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_nod
             (reset, lambda work=work, comm=unfused: comm.op(work)),
         ]
         if nodes is not None:
-            node_aware = HierarchicalOneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel), nodes=nodes)
+            node_aware = collectives.get(NODE_AWARE).build(collectives.Settings(nodes=nodes))(numel, device=device, ledger=CommLedger(num_params=numel))
             pairs.append((reset, lambda work=work, comm=node_aware: comm.op(work)))  # the same layout as the flat call's
+        extra = {
+            c.name: c.build(collectives.Settings(nodes=nodes))(numel, device=device, ledger=CommLedger(num_params=numel)) for c in others(nodes is not None)
+        }
+        for other in extra.values():  # the packed elements: its layout may not be flat's
+            pairs.append((reset, lambda work=work[:numel], comm=other: comm.op(work)))
         _median_times(pairs, 1, device)  # warm-up
-        fp32_s, onebit_s, bf16_s, unfused_s, *node_aware_s = _median_times(pairs, repeats, device)
+        fp32_s, onebit_s, bf16_s, unfused_s, *more_s = _median_times(pairs, repeats, device)
+        node_aware_s, extra_s = more_s[: len(more_s) - len(extra)], more_s[len(more_s) - len(extra) :]
 
         feedback = OneBitAllReduce(numel, device=device, ledger=CommLedger(num_params=numel))
         running = torch.zeros_like(x)
@@ -176,6 +196,14 @@ def rank_main(sizes: list[int], repeats: int, backend: str | None, ranks_per_nod
                 "fp32_inter_bytes_per_rank": 2 * (world - 1) * numel * 4 // world // ranks_per_node,
                 "node_aware_inter_bytes_per_rank": node_aware.bytes_per_call,
                 "node_aware_intra_bytes_per_rank": node_aware.intra_bytes_per_call,
+            }
+        for (name, other), seconds in zip(extra.items(), extra_s):
+            sent = other.ledger.end_step()  # its 1 + repeats calls (warm-up and timed), as each pair above
+            rows[-1].setdefault("collectives", {})[name] = {
+                "seconds": seconds,
+                "vs_fp32": seconds / fp32_s,
+                "bytes_per_rank": sent.bytes_sent // (1 + repeats),
+                "bits_per_element": sent.bits_per_param / (1 + repeats),
             }
     dist.destroy_process_group()
     return rows if rank == 0 else None

@@ -38,6 +38,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from zoa_train.comm import registry as collectives
 from zoa_train.errors import UserError
 from zoa_train.files import dumps_json, make_directory
 from zoa_train.optim import registry
@@ -456,7 +457,7 @@ def run_netsim(
     nodes = [f"comm.ranks_per_node={ranks_per_node}"] if ranks_per_node > 1 else []
     for name in optimizers:
         if registry.get(name).uses_collective and ranks_per_node > 1:
-            for kind in ("flat", "hierarchical"):
+            for kind in collectives.names():  # a run per registered collective (zoa_train/comm/registry.py)
                 runs[f"{name}-{kind}"] = (name, kind, [*overrides, *nodes, f"comm.topology={kind}", f"optimizer.name={name}"])
         else:
             runs[name] = (name, None, [*overrides, *nodes, f"optimizer.name={name}"])

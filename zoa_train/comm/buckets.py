@@ -32,8 +32,9 @@ import torch.distributed as dist
 
 from zoa_train.comm.agreement import check_same_on_every_rank, checked_by_caller
 from zoa_train.comm.collectives import group_size_rank
+from zoa_train.comm.layout import SCALE_ROW, OneBitLayout, buffer_sizes, checked_buffers, collective_device, onebit_layout, relayout
 from zoa_train.comm.ledger import CommLedger
-from zoa_train.comm.onebit import SCALE_ROW, OneBitLayout, TopologyChanged, _buffer_sizes, checked_buffers, collective_device, onebit_layout, relayout
+from zoa_train.comm.onebit import TopologyChanged
 
 # Four times DDP's 25 MB: a 1-bit bucket sends 32x fewer bytes than an fp32 one for the same messages,
 # so its fixed cost weighs more; `plan` on 16 x 8 GPUs finds 100 MB better than 25 in every row (docs/results/overlap.md).
@@ -201,7 +202,7 @@ class BucketedCollective:
         self.device = collective_device(device, group, "BucketedCollective")
         self.scale_row = scale_row
         self.bucket_cap_mb = bucket_cap_mb
-        sizes = [[s] if isinstance(s, int) else list(s) for s in _buffer_sizes(sizes)]
+        sizes = [[s] if isinstance(s, int) else list(s) for s in buffer_sizes(sizes)]
         # Before duplicate_group, which every rank must call: one all-gather for every bucket's collective.
         check_same_on_every_rank("BucketedCollective", group, sizes, {"bucket_cap_mb": bucket_cap_mb, "overlap": overlap, "scale_row": scale_row})
         self.buckets = plan_buckets(sizes, self.world_size, max(1, int(bucket_cap_mb * 2**20 // 4)), self.scale_row)

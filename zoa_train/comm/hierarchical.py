@@ -19,29 +19,18 @@ with N = 1 it is the exact average (no compression).
 """
 
 import functools
+import math
 
 import torch
 import torch.distributed as dist
 
 from zoa_train.comm.agreement import check_same_on_every_rank, checked_by_caller
-from zoa_train.comm.buckets import BUCKET_CAP_MB, BucketedCollective
 from zoa_train.comm.collectives import allreduce, default_ledger, group_size_rank, refuse_meta, ring_allreduce_bytes
-from zoa_train.comm.kernels import CHOICES, select_kernels
+from zoa_train.comm.costs import CallCost, Cluster, allreduce_cost
+from zoa_train.comm.layout import SCALE_ROW, LaidOutCollective, OneBitLayout, buffer_sizes, checked_accumulator, collective_device, onebit_layout
 from zoa_train.comm.ledger import CommLedger
-from zoa_train.comm.onebit import (
-    SCALE_ROW,
-    LaidOutCollective,
-    OneBitAllReduce,
-    OneBitLayout,
-    _buffer_sizes,
-    check_topology,
-    checked_accumulator,
-    collective_device,
-    layout_buffers,
-    onebit_layout,
-)
-from zoa_train.comm.topology import TOPOLOGIES, NodeGroups, choose, describe, discover_nodes, node_groups
-from zoa_train.errors import UserError
+from zoa_train.comm.onebit import OneBitAllReduce, check_topology, flat_onebit_cost, layout_buffers
+from zoa_train.comm.topology import NodeGroups
 
 # torch 2.14 names it all_gather_single and deprecates all_gather_into_tensor; older releases have only that.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -76,7 +65,7 @@ def hierarchical_buffers(
     flat allreduce of the shard among the nodes, its buffers (`layout_buffers`) prefixed `inter.`.
     The same on every local rank (a shard's layout has the same chunks whichever shard it is)."""
     g = ranks_per_node
-    layouts = [onebit_layout(s, nodes * g, scale_row) for s in _buffer_sizes(sizes)]
+    layouts = [onebit_layout(s, nodes * g, scale_row) for s in buffer_sizes(sizes)]
     active = [l for l in layouts if l.active]
     shard = sum(nodes * l.chunk for l in active)
     buffers = {"_pending": (sum(l.padded for l in layouts), torch.float32)}
@@ -86,6 +75,33 @@ def hierarchical_buffers(
         inter = layout_buffers([shard_layout(l, 0, g) for l in active], nodes, device, block_size, kernels)
         buffers |= {f"inter.{name}": size for name, size in inter.items()}
     return buffers
+
+
+def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf, reduce_rate: float = math.inf) -> CallCost:
+    g, nodes = cluster.ranks_per_node, cluster.nodes
+    shard = -(-numel // g)
+    among_nodes = Cluster(nodes, 1, cluster.bandwidth / g, cluster.latency, cluster.intra_bandwidth, cluster.backend)
+    inner = flat_onebit_cost(shard, among_nodes)  # the G local ranks share the node's link
+    intra_in = (g - 1) * shard * intra_element_size  # each rank's all-to-all sends (G-1)/G of the buffer
+    intra_out = (g - 1) * shard * 4  # fp32 all-gather
+    seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0)
+    work = shard / compress_rate + 2 * (g - 1) * shard / reduce_rate  # encoding the shard; the elements sent in full precision
+    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds + work, intra_in + intra_out, work)
+
+
+def hierarchical_allreduce_cost(numel: int, element_size: int, cluster: Cluster, reduce_rate: float = math.inf) -> CallCost:
+    """The node-aware full-precision allreduce (HierarchicalOneBitAllReduce.allreduce): a reduce-scatter
+    inside the node, a ring allreduce of each rank's shard among the nodes (the G local ranks sharing
+    the node's link), an fp32 all-gather inside the node."""
+    g, nodes = cluster.ranks_per_node, cluster.nodes
+    shard = -(-numel // g)
+    inner = allreduce_cost(
+        shard, element_size, Cluster(nodes, 1, cluster.bandwidth / g, cluster.latency, cluster.intra_bandwidth, cluster.backend), reduce_rate
+    )
+    intra_in, intra_out = (g - 1) * shard * element_size, (g - 1) * shard * 4
+    reducing = (g - 1) * shard / reduce_rate  # the elements summed inside the node
+    seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0) + reducing
+    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out, inner.work_seconds + reducing)
 
 
 class HierarchicalOneBitAllReduce(LaidOutCollective):
@@ -126,7 +142,7 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
         self.nodes, self.intra_dtype, self.scale_row = nodes, intra_dtype, scale_row
         self.device = collective_device(device, group, "HierarchicalOneBitAllReduce")
         self.ledger = ledger if ledger is not None else default_ledger()
-        self.layouts = [onebit_layout(s, self.world_size, scale_row) for s in _buffer_sizes(sizes)]
+        self.layouts = [onebit_layout(s, self.world_size, scale_row) for s in buffer_sizes(sizes)]
         settings = {"nodes": f"{nodes.nodes}x{nodes.ranks_per_node}", "scale_row": scale_row, "intra_dtype": str(intra_dtype).removeprefix("torch.")}
         check_same_on_every_rank("HierarchicalOneBitAllReduce", group, [l.sizes for l in self.layouts], settings)
         self.numel = sum(l.numel for l in self.layouts)
@@ -326,76 +342,3 @@ class HierarchicalOneBitAllReduce(LaidOutCollective):
                 shard_states.append(state["shard"])
         if self._inter is not None:
             self._inter.load_state_dicts(shard_states)
-
-
-class ClusterCollective:
-    """The CollectiveFactory of a recipe's comm section: on its first call (a collective, made when a
-    1-bit optimizer is built) it finds which ranks share a node (zoa_train.comm.topology) and builds
-    the flat or the node-aware allreduce as `topology` ("auto", "flat", "hierarchical") says, in
-    buckets of `bucket_cap_mb` MB (0: none) whose rounds start during backward with `overlap`
-    (zoa_train/comm/buckets.py; 100 MB buckets when `bucket_cap_mb` is 0). `chosen` then describes
-    what it built, for the run's log."""
-
-    def __init__(
-        self,
-        topology: str = "auto",
-        ranks_per_node: int = 0,
-        intra_dtype: torch.dtype = torch.float32,
-        kernels: str = "auto",
-        bucket_cap_mb: float = 0.0,
-        overlap: bool = False,
-    ):
-        # What a recipe's schema checks, checked again for code that builds one itself (a misspelt topology was flat).
-        if topology not in TOPOLOGIES:
-            raise ValueError(f"ClusterCollective: topology must be one of {', '.join(TOPOLOGIES)}, not {topology!r}")
-        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 0:
-            raise ValueError(f"ClusterCollective: ranks_per_node must be a whole number >= 0 (0: nodes found by hostname), not {ranks_per_node!r}")
-        if intra_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"ClusterCollective: intra_dtype must be torch.float32 or torch.bfloat16, not {intra_dtype}")
-        if kernels not in CHOICES:
-            raise ValueError(f"ClusterCollective: kernels must be one of {', '.join(CHOICES)}, not {kernels!r}")
-        if not 0 <= bucket_cap_mb < float("inf"):
-            raise ValueError(f"ClusterCollective: bucket_cap_mb must be a finite number of MB >= 0 (0: no buckets), not {bucket_cap_mb}")
-        self.topology, self.ranks_per_node, self.intra_dtype, self.kernels = topology, ranks_per_node, intra_dtype, kernels
-        self.bucket_cap_mb = bucket_cap_mb or (BUCKET_CAP_MB if overlap else 0.0)
-        self.overlap = overlap
-        self.chosen: str | None = None
-        self.fell_back = False  # auto on an uneven layout: flat
-        self._groups: dict[tuple, NodeGroups] = {}
-
-    def __call__(self, sizes, *, group=None, device=None, ledger=None):
-        world, _ = group_size_rank(group)
-        if world > 1 and group is not None and world != dist.get_world_size():
-            raise ValueError("ClusterCollective finds nodes among all ranks: use it with the world's process group")
-        where = collective_device(device, group, "ClusterCollective")
-        # Before finding the nodes: ranks of other settings would not even make the same process groups.
-        settings = {
-            "topology": self.topology,
-            "ranks_per_node": self.ranks_per_node,
-            "intra_dtype": str(self.intra_dtype).removeprefix("torch."),
-            "bucket_cap_mb": self.bucket_cap_mb,
-            "overlap": self.overlap,
-        }
-        check_same_on_every_rank("ClusterCollective", group, [[s] if isinstance(s, int) else list(s) for s in _buffer_sizes(sizes)], settings)
-        nodes = discover_nodes(self.ranks_per_node) if world > 1 else [[0]]
-        kind = choose(self.topology, nodes) if world > 1 else "flat"  # one process: nothing is sent either way
-        self.fell_back = self.topology == "auto" and kind == "flat" and len({len(n) for n in nodes}) > 1
-        self.chosen = f"{kind} 1-bit sync, {describe(nodes)}"
-        try:
-            select_kernels(self.kernels, where)
-        except ValueError as error:
-            raise UserError(f"comm.kernels: {error}.") from None
-        if kind == "flat":
-            inner = functools.partial(OneBitAllReduce, kernels=self.kernels)
-        else:
-            # the mesh's device type follows the backend: Gloo ranks may share a GPU (gpu_check does).
-            # Overlapped rounds run on a thread of their own, so they get node groups of their own.
-            key = (tuple(map(tuple, nodes)), self.overlap)
-            if key not in self._groups:
-                self._groups[key] = node_groups(nodes)
-            inner = functools.partial(HierarchicalOneBitAllReduce, nodes=self._groups[key], intra_dtype=self.intra_dtype, kernels=self.kernels)
-        with checked_by_caller():  # compared above
-            if not self.bucket_cap_mb:
-                return inner(sizes, group=group, device=device, ledger=ledger)
-            self.chosen += f", buckets of {self.bucket_cap_mb:g} MB{' overlapped with backward' if self.overlap else ''}"
-            return BucketedCollective(sizes, group, device, ledger, inner=inner, bucket_cap_mb=self.bucket_cap_mb, overlap=self.overlap)

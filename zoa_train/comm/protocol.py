@@ -63,3 +63,9 @@ class Collective(Protocol):
 
 class CollectiveFactory(Protocol):
     def __call__(self, sizes: list[list[int]], *, group, device: torch.device | None, ledger: CommLedger) -> Collective: ...
+
+
+def buckets_of(collective) -> Sequence | None:
+    """The buckets a collective starts its rounds in, each with the asynchronous calls above (a
+    BucketedCollective's, whatever collective of the registry it wraps), or None: one round per call."""
+    return getattr(collective, "buckets", None)

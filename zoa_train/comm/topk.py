@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from zoa_train.comm.agreement import check_same_on_every_rank
 from zoa_train.comm.collectives import default_ledger, group_size_rank
+from zoa_train.comm.layout import LaidOutCollective, OneBitLayout, buffer_sizes, collective_device, layout_with_rows, onebit_layout
 from zoa_train.comm.ledger import CommLedger
-from zoa_train.comm.onebit import LaidOutCollective, OneBitLayout, _buffer_sizes, _layout_with_rows, collective_device, onebit_layout
 
 CHUNK = 1 << 12  # elements per chunk: 12 index bits
 _CODE_BITS = 2
@@ -46,7 +46,7 @@ def topk_layout(sizes: int | Sequence[int], chunk: int = CHUNK) -> OneBitLayout:
     sizes = (int(sizes),) if isinstance(sizes, int) else tuple(int(size) for size in sizes)
     if sum(sizes) <= 0 or min(sizes) < 0:  # onebit_layout refuses a negative size
         return onebit_layout(sizes, 1)
-    return _layout_with_rows(sizes, 1, chunk)
+    return layout_with_rows(sizes, 1, chunk)
 
 
 class TopKWire(NamedTuple):
@@ -78,8 +78,11 @@ def topk_slots(density: float, chunk: int) -> int:
 
 def topk_wire(sizes, density: float, chunk: int = CHUNK) -> TopKWire:
     """The message of a TopKAllReduce of `sizes` (as its `sizes`): one per rank and call."""
-    chunks = sum(l.padded // l.row for l in (topk_layout(s, chunk) for s in _buffer_sizes(sizes)) if l.active)
+    chunks = sum(l.padded // l.row for l in (topk_layout(s, chunk) for s in buffer_sizes(sizes)) if l.active)
     return TopKWire(chunks, topk_slots(density, chunk), max(1, (chunk - 1).bit_length()))
+
+
+TOPK_STATE = ("_error", "_real")  # of topk_buffers, those carried from call to call; the wire buffers are scratch
 
 
 def topk_buffers(sizes, world_size: int, density: float, chunk: int = CHUNK) -> dict[str, tuple[int, torch.dtype]]:
@@ -88,7 +91,7 @@ def topk_buffers(sizes, world_size: int, density: float, chunk: int = CHUNK) -> 
     real (not padding) `_real`, this rank's message `_mine` and the all-gather's `_gathered` (one
     message per rank)."""
     message = topk_wire(sizes, density, chunk).message_bytes
-    layouts = [topk_layout(s, chunk) for s in _buffer_sizes(sizes)]
+    layouts = [topk_layout(s, chunk) for s in buffer_sizes(sizes)]
     return {
         "_error": (sum(l.padded for l in layouts), torch.float32),
         "_real": (sum(l.padded for l in layouts if l.active), torch.bool),
@@ -145,7 +148,7 @@ class TopKAllReduce(LaidOutCollective):
         self.ledger = ledger if ledger is not None else default_ledger()
         self.density, self.error_decay = density, error_decay
         self.scale_row = chunk  # LaidOutCollective's name for the row (chunk) length
-        self.layouts = [topk_layout(s, chunk) for s in _buffer_sizes(sizes)]
+        self.layouts = [topk_layout(s, chunk) for s in buffer_sizes(sizes)]
         check_same_on_every_rank("TopKAllReduce", group, [l.sizes for l in self.layouts], {"density": density, "chunk": chunk})
         self.numel = sum(l.numel for l in self.layouts)
         self.wire = topk_wire(sizes, density, chunk)

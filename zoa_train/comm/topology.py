@@ -11,14 +11,10 @@ node): along "local" the ranks of one node, along "node" the ranks of one local 
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import torch.distributed as dist
 
 from zoa_train.errors import UserError
-
-TOPOLOGIES = ("auto", "flat", "hierarchical")
-Topology = Literal["auto", "flat", "hierarchical"]
 
 
 def nodes_from_names(names: Sequence[str]) -> list[list[int]]:
@@ -55,19 +51,20 @@ def discover_nodes(ranks_per_node: int = 0) -> list[list[int]]:
     return nodes_from_names(names)
 
 
-def choose(topology: str, nodes: Sequence[Sequence[int]]) -> str:
-    """ "flat" or "hierarchical" for a recipe's comm.topology on these nodes. `auto` is hierarchical
-    when there are several nodes of several ranks each, all of one size, and flat otherwise (an
-    uneven layout falls back to flat, which `auto` says in the run's log); `hierarchical` on an
-    uneven layout is refused, since its shards need the same number of ranks on every node."""
+def choose(topology: str, nodes: Sequence[Sequence[int]], node_aware: bool | None = None) -> str:
+    """The collective (a name in zoa_train/comm/registry.py) for a recipe's comm.topology on these
+    nodes. `auto` is hierarchical when there are several nodes of several ranks each, all of one
+    size, and flat otherwise (an uneven layout falls back to flat, which `auto` says in the run's
+    log); a node-aware collective (`node_aware`; default: hierarchical is) on an uneven layout is
+    refused, since its shards need the same number of ranks on every node; any other is itself."""
     even = len({len(node) for node in nodes}) == 1
-    if topology == "hierarchical":
+    if node_aware if node_aware is not None else topology == "hierarchical":
         if not even:
-            raise UserError(f"comm.topology is hierarchical but the nodes have unequal numbers of ranks ({describe(nodes)}); use flat or auto.")
-        return "hierarchical"
-    if topology == "auto" and even and len(nodes) > 1 and len(nodes[0]) > 1:
-        return "hierarchical"
-    return "flat"
+            raise UserError(f"comm.topology is {topology} but the nodes have unequal numbers of ranks ({describe(nodes)}); use flat or auto.")
+        return topology
+    if topology == "auto":
+        return "hierarchical" if even and len(nodes) > 1 and len(nodes[0]) > 1 else "flat"
+    return topology
 
 
 @dataclass

@@ -26,8 +26,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from zoa_train.comm import Collective, CollectiveFactory, CommLedger, allreduce, group_size_rank, onebit_layout, ring_allreduce_bytes
-from zoa_train.comm.buckets import BucketedCollective
-from zoa_train.comm.onebit import OneBitLayout, TopologyChanged
+from zoa_train.comm.layout import OneBitLayout
+from zoa_train.comm.onebit import TopologyChanged
+from zoa_train.comm.protocol import buckets_of
 from zoa_train.comm.sharding import copy_whole, local_shard, sharded_like
 from zoa_train.errors import UserError
 from zoa_train.optim.deepspeed_names import translate
@@ -265,7 +266,7 @@ class DataParallelOptimizer(torch.optim.Optimizer):
         """The spans rounds start in (the collective's buckets, else one per group) and, when the
         collective overlaps, a hook on every trainable parameter that starts its bucket's round once
         the bucket's gradients are final (docs/algorithm.md, "Overlap")."""
-        bucketed = isinstance(self.collective, BucketedCollective)
+        bucketed = buckets_of(self.collective) is not None
         if bucketed and self.shard_group is not None:  # the node's ranks would bucket shards of unequal sizes apart
             raise ValueError(f"{type(self).__name__}: sharded parameters take a collective without buckets (comm.bucket_cap_mb 0, comm.overlap off)")
         if bucketed:

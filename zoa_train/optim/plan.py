@@ -73,9 +73,9 @@ from dataclasses import dataclass
 
 from rich.table import Table
 
-from zoa_train.comm.collectives import ring_allreduce_bytes
-from zoa_train.comm.hierarchical import hierarchical_buffers
-from zoa_train.comm.onebit import onebit_buffers, onebit_layout
+from zoa_train.comm import registry as collectives
+from zoa_train.comm.costs import CallCost, Cluster, allgather_cost, allreduce_cost, node_share  # noqa: F401 -- the cost model, importable from here too
+from zoa_train.comm.onebit import flat_onebit_cost, onebit_call_bytes  # noqa: F401 -- the cost model, importable from here too
 from zoa_train.errors import UserError
 from zoa_train.optim import registry
 from zoa_train.optim.lr_schedules import LRSchedule
@@ -86,28 +86,6 @@ BACKENDS = ("nccl", "gloo")
 ONEBIT_BASELINE = "onebit_adam"  # the 1-bit optimizers' speed-ups are also given against it
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel's bucket_cap_mb default
 DDP_FIRST_BUCKET_BYTES = 2**20  # its first (last layers') bucket
-
-
-@dataclass(frozen=True)
-class Cluster:
-    """Where a plan runs: `nodes` x `ranks_per_node` ranks, the nodes' link and the links inside a node."""
-
-    nodes: int
-    ranks_per_node: int = 1
-    bandwidth: float = 1.25e9  # bytes/s of a node's link to the others, each way
-    latency: float = 20e-6  # seconds per message between nodes
-    intra_bandwidth: float = math.inf  # bytes/s inside a node, shared by its ranks
-    backend: str = "nccl"
-
-    @property
-    def world(self) -> int:
-        return self.nodes * self.ranks_per_node
-
-    def phase(self, inter_bytes: float, intra_bytes: float, messages: int) -> float:
-        """Seconds of one phase: `inter_bytes` over each node's link, `intra_bytes` inside each node."""
-        inter = inter_bytes / self.bandwidth if self.nodes > 1 else 0.0
-        intra = intra_bytes / self.intra_bandwidth if self.ranks_per_node > 1 else 0.0
-        return messages * (self.latency if self.nodes > 1 else 0.0) + max(inter, intra)
 
 
 @dataclass(frozen=True)
@@ -123,95 +101,6 @@ class StepCosts:
     overlap_bucket_bytes: int = DDP_BUCKET_BYTES  # in buckets of this many bytes of fp32 (comm.bucket_cap_mb)
     micro_batches: int = 1  # forward/backward passes per step on a rank: sharded, FSDP2 gathers and reduces at each
     fsdp_rate: float = math.inf  # elements per second a rank moves through FSDP2's gathers and reduce-scatter, besides the transfer
-
-
-@dataclass(frozen=True)
-class CallCost:
-    """One collective of the whole buffer: bytes per rank, bytes over each node's link, seconds."""
-
-    bytes_per_rank: float  # as the ledger's bytes_sent: all of a flat call, the part between nodes of a node-aware one
-    inter_bytes_per_node: float
-    seconds: float
-    intra_bytes_per_rank: float = 0  # as the ledger's intra_bytes_sent: the node-aware call's full precision inside the node
-    work_seconds: float = 0.0  # of `seconds`, the work on the ranks (encoding, sums): it competes with backward for the ranks
-
-    @property
-    def transfer_seconds(self) -> float:
-        """The rest of `seconds`: what an overlapped round can hide behind backward."""
-        return self.seconds - self.work_seconds
-
-
-def onebit_call_bytes(num_params: int, world_size: int) -> int:
-    """Bytes one rank sends in one flat OneBitAllReduce call: 2(n-1) segments (signs and row scales)."""
-    return 2 * (world_size - 1) * onebit_layout(num_params, world_size).segment
-
-
-def allreduce_cost(numel: int, element_size: int, cluster: Cluster, reduce_rate: float = math.inf) -> CallCost:
-    n, g = cluster.world, cluster.ranks_per_node
-    if n == 1:
-        return CallCost(0, 0, 0.0)
-    volume = ring_allreduce_bytes(numel, element_size, n)  # what each link of the ring carries
-    inter = volume if cluster.nodes > 1 else 0
-    work = volume / element_size / reduce_rate  # the elements each rank sends and sums
-    return CallCost(volume, inter, cluster.phase(inter, (g - 1) * volume, 2 * (n - 1)) + work, work_seconds=work)
-
-
-def allgather_cost(segment: int, cluster: Cluster) -> CallCost:
-    """An all-gather in which every rank sends `segment` bytes: a ring on NCCL (n-1 segments over
-    every link of the ring), direct on Gloo (each rank's segment to every other rank)."""
-    n, g, nodes = cluster.world, cluster.ranks_per_node, cluster.nodes
-    if n == 1:
-        return CallCost(0, 0, 0.0)
-    if cluster.backend == "nccl":
-        inter, intra = (n - 1) * segment if nodes > 1 else 0, (g - 1) * (n - 1) * segment
-    else:
-        inter, intra = g * g * (nodes - 1) * segment, g * (g - 1) * segment
-    return CallCost((n - 1) * segment, inter, cluster.phase(inter, intra, n - 1))
-
-
-def flat_onebit_cost(numel: int, cluster: Cluster, compress_rate: float = math.inf) -> CallCost:
-    n, g, nodes = cluster.world, cluster.ranks_per_node, cluster.nodes
-    if n == 1:
-        return CallCost(0, 0, 0.0)
-    segment = onebit_layout(numel, n).segment
-    to_all_inter = g * g * (nodes - 1) * segment
-    to_all = cluster.phase(to_all_inter, g * (g - 1) * segment, n - 1)
-    gather = allgather_cost(segment, cluster)  # of the server segments
-    work = numel / compress_rate  # encoding and decoding the buffer
-    return CallCost(2 * (n - 1) * segment, to_all_inter + gather.inter_bytes_per_node, to_all + gather.seconds + work, work_seconds=work)
-
-
-def hierarchical_onebit_cost(numel: int, intra_element_size: int, cluster: Cluster, compress_rate: float = math.inf, reduce_rate: float = math.inf) -> CallCost:
-    g, nodes = cluster.ranks_per_node, cluster.nodes
-    shard = -(-numel // g)
-    among_nodes = Cluster(nodes, 1, cluster.bandwidth / g, cluster.latency, cluster.intra_bandwidth, cluster.backend)
-    inner = flat_onebit_cost(shard, among_nodes)  # the G local ranks share the node's link
-    intra_in = (g - 1) * shard * intra_element_size  # each rank's all-to-all sends (G-1)/G of the buffer
-    intra_out = (g - 1) * shard * 4  # fp32 all-gather
-    seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0)
-    work = shard / compress_rate + 2 * (g - 1) * shard / reduce_rate  # encoding the shard; the elements sent in full precision
-    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds + work, intra_in + intra_out, work)
-
-
-def hierarchical_allreduce_cost(numel: int, element_size: int, cluster: Cluster, reduce_rate: float = math.inf) -> CallCost:
-    """The node-aware full-precision allreduce (HierarchicalOneBitAllReduce.allreduce): a reduce-scatter
-    inside the node, a ring allreduce of each rank's shard among the nodes (the G local ranks sharing
-    the node's link), an fp32 all-gather inside the node."""
-    g, nodes = cluster.ranks_per_node, cluster.nodes
-    shard = -(-numel // g)
-    inner = allreduce_cost(
-        shard, element_size, Cluster(nodes, 1, cluster.bandwidth / g, cluster.latency, cluster.intra_bandwidth, cluster.backend), reduce_rate
-    )
-    intra_in, intra_out = (g - 1) * shard * element_size, (g - 1) * shard * 4
-    reducing = (g - 1) * shard / reduce_rate  # the elements summed inside the node
-    seconds = cluster.phase(0, g * intra_in, 0) + inner.seconds + cluster.phase(0, g * intra_out, 0) + reducing
-    return CallCost(inner.bytes_per_rank, g * inner.inter_bytes_per_node, seconds, intra_in + intra_out, inner.work_seconds + reducing)
-
-
-def node_share(cost: CallCost, ranks_per_node: int) -> CallCost:
-    """A call among the N ranks of one local rank, which the node's G local ranks make at once over the
-    node's link: G times its bytes cross the link."""
-    return CallCost(cost.bytes_per_rank, ranks_per_node * cost.inter_bytes_per_node, cost.seconds, cost.intra_bytes_per_rank, cost.work_seconds)
 
 
 def fsdp_step_cost(shard: int, unit: int, num_params: int, cluster: Cluster, costs: StepCosts | None, reduce_size: int = 4) -> tuple[float, float, float]:
@@ -373,22 +262,24 @@ def plan(
     cluster = Cluster(world_size // ranks_per_node, ranks_per_node, bandwidth_bytes_per_s, latency_s, intra_bandwidth_bytes_per_s, backend)
     element = allreduce_bits // 8
     rate, reduce = (costs.compress_rate, costs.reduce_rate) if costs else (math.inf, math.inf)
-    # per topology of the 1-bit optimizers' collective, the cost of a (full-precision, 1-bit) round of
-    # `elements`; and what each adds to a step: all of it, or with overlap what backward does not hide
-    rounds = {"flat": (lambda elements: allreduce_cost(elements, element, cluster, reduce), lambda elements: flat_onebit_cost(elements, cluster, rate))}
-    if cluster.nodes > 1 and ranks_per_node > 1:
-        rounds["hierarchical"] = (
-            lambda elements: hierarchical_allreduce_cost(elements, element, cluster, reduce),
-            lambda elements: hierarchical_onebit_cost(elements, element, cluster, rate, reduce),
+    # per registered collective of the 1-bit optimizers that fits these nodes (zoa_train/comm/registry.py),
+    # the cost of a (full-precision, 1-bit) round of `elements`; and what each adds to a step: all of
+    # it, or with overlap what backward does not hide. The first (flat) is every optimizer's base record.
+    base, planned = collectives.default(), [c for c in collectives.specs() if c.fits(cluster.nodes, ranks_per_node)]
+    rounds = {
+        c.name: (
+            lambda elements, c=c: c.fp_cost(elements, cluster, element, reduce),
+            lambda elements, c=c: c.onebit_cost(elements, cluster, element, rate, reduce),
         )
+        for c in planned
+    }
     topologies = {name: (fp(num_params), onebit(num_params)) for name, (fp, onebit) in rounds.items()}
 
     # Memory: the same parameters unsharded on every rank, or sharded over the G ranks of a node with the
     # exchange among the N ranks that hold the same shard.
     nodes, groups = cluster.nodes, parameter_groups(num_params, param_shapes)
-    flat_comm = lambda sizes: collective_memory(onebit_buffers(sizes, world_size, kernels=None))  # noqa: E731
-    node_comm = lambda sizes: collective_memory(hierarchical_buffers(sizes, nodes, ranks_per_node, kernels=None))  # noqa: E731
-    shard_comm = lambda sizes: collective_memory(onebit_buffers(sizes, nodes, kernels=None))  # noqa: E731
+    comms = {c.name: lambda sizes, c=c: collective_memory(c.buffers(sizes, nodes, ranks_per_node), c.state) for c in planned}
+    shard_comm = lambda sizes: collective_memory(base.buffers(sizes, nodes, 1), base.state)  # noqa: E731 -- the shard among the nodes
     shards = tuple(tuple(shard_shape(shape, ranks_per_node) for shape in group) for group in groups)
     unit = largest_fsdp_unit(num_params, param_shapes, param_names)
 
@@ -399,7 +290,7 @@ def plan(
     fsdp_bytes, fsdp_seconds, fsdp_added = fsdp_step_cost(shard, unit[0], num_params, cluster, costs, element)
 
     def sharded(spec: OptimizerSpec, counts: PlanCounts, knobs) -> dict:
-        fp = node_share(allreduce_cost(shard, element, among, reduce), ranks_per_node)
+        fp = node_share(base.fp_cost(shard, among, element, reduce), ranks_per_node)
         fp_step = fp.seconds
         if costs is not None and not spec.uses_collective:  # adam: torch's HSDP, each unit's all-reduce started in backward
             fp_step = exposed_time(
@@ -410,7 +301,7 @@ def plan(
             steps=steps,
             num_params=shard,
             fp=fp,
-            onebit=node_share(flat_onebit_cost(shard, among, rate), ranks_per_node),
+            onebit=node_share(base.onebit_cost(shard, among, element, rate, reduce), ranks_per_node),
             part_cost=lambda elements, size: node_share(allreduce_cost(-(-elements // ranks_per_node), size, among, reduce), ranks_per_node),
             gather_cost=lambda message_bytes: node_share(allgather_cost(message_bytes, among), ranks_per_node),
             allreduce_bits=allreduce_bits,
@@ -455,14 +346,13 @@ def plan(
                 else ddp_exposed_time(num_params, element, cluster, costs),
                 onebit_step_s=added(rounds[topology][1]),
             )
-            for topology, (fp, onebit) in (topologies.items() if spec.uses_collective else [("flat", topologies["flat"])])
+            for topology, (fp, onebit) in (topologies.items() if spec.uses_collective else [(base.name, topologies[base.name])])
         }
-        for topology, comm in (("flat", flat_comm), ("hierarchical", node_comm)):
-            if topology in records:
-                records[topology]["memory_per_rank"] = memory_per_rank(
-                    spec, context.knobs, groups, world_size, comm, gpu_memory=gpu_memory_bytes, activations=activations, checkpointing=checkpointing
-                )
-        result[name] = records.pop("flat") | records
+        for topology, record in records.items():
+            record["memory_per_rank"] = memory_per_rank(
+                spec, context.knobs, groups, world_size, comms[topology], gpu_memory=gpu_memory_bytes, activations=activations, checkpointing=checkpointing
+            )
+        result[name] = records.pop(base.name) | records
         if ranks_per_node > 1 and spec.shardable:  # with one rank a node sharding changes nothing
             result[name]["sharded"] = sharded(spec, counts, context.knobs)
     if costs is not None:
@@ -546,10 +436,11 @@ def memory_per_rank(
 
 
 def _variants(record: dict):
-    """(topology, record) of an optimizer's plan: flat, then node-aware and sharded where planned."""
-    yield "flat", record
-    for key in ("hierarchical", "sharded"):
-        if key in record:
+    """(topology, record) of an optimizer's plan: flat, then the other collectives and sharded where planned."""
+    base = collectives.default().name
+    yield base, record
+    for key in (*collectives.names(), "sharded"):
+        if key != base and key in record:
             yield key, record[key]
 
 
@@ -664,11 +555,12 @@ def format_plan(result: dict[str, dict]) -> Table:
     title = f"Communication plan, {result[names[0]]['steps']:,} steps"
     notes = [spec.plan_note(result[spec.name]) for spec in map(registry.get, names) if spec.plan_note is not None]
     adam = result.get(registry.BASELINE)
-    several = any("hierarchical" in result[name] or "sharded" in result[name] for name in names)
+    several = any(len(list(_variants(result[name]))) > 1 for name in names)
+    labels = {c.name: c.title for c in collectives.specs()} | {collectives.default().name: "flat" if several else "", "sharded": "sharded"}
     columns, sharded = [], set()
     for name in names:
         for key, record in _variants(result[name]):
-            columns.append((name, record, {"flat": "flat" if several else "", "hierarchical": "node-aware", "sharded": "sharded"}[key]))
+            columns.append((name, record, labels[key]))
         if "sharded" in result[name]:
             sharded.add(id(result[name]["sharded"]))
     base = lambda r: adam["sharded"] if id(r) in sharded else adam  # noqa: E731

@@ -25,9 +25,10 @@ import torch.distributed as dist
 from zoa_train import checks
 from zoa_train.checks import Check
 from zoa_train.comm import CollectiveFactory, OneBitAllReduce, TopKAllReduce
+from zoa_train.comm import registry as collectives
 from zoa_train.comm.onebit import onebit_layout
 from zoa_train.comm.sharding import is_sharded, shard_model
-from zoa_train.comm.topk import topk_buffers, topk_layout, topk_wire
+from zoa_train.comm.topk import TOPK_STATE, topk_buffers, topk_layout, topk_wire
 from zoa_train.comm.topology import NodeGroups
 from zoa_train.errors import UserError
 from zoa_train.optim.adam import DataParallelAdam
@@ -177,17 +178,14 @@ class MemoryCounts:
     scratch: Mapping[str, int] = field(default_factory=dict)
 
 
-# A collective's buffers that carry something from one call to the next (errors, accumulators, which
-# elements are real): state; the others are rewritten at every call: scratch.
-COLLECTIVE_STATE = ("_worker", "_server", "_pending", "inter._worker", "inter._server", "_error", "_real")
-
-
-def collective_memory(buffers: Mapping[str, tuple[int, torch.dtype]]) -> MemoryCounts:
-    """A collective's buffers as its sizing function gives them (onebit_buffers, hierarchical_buffers,
-    topk_buffers: (elements, dtype) by name) in bytes, each named collective.<name>."""
+def collective_memory(buffers: Mapping[str, tuple[int, torch.dtype]], state_names: Iterable[str]) -> MemoryCounts:
+    """A collective's buffers as its sizing function gives them ((elements, dtype) by name: a collective
+    entry's `buffers`, topk_buffers) in bytes, each named collective.<name>: state where it is one of
+    `state_names` (carried from one call to the next: errors, accumulators), scratch where not
+    (rewritten at every call)."""
     state, scratch = {}, {}
     for name, (elements, dtype) in buffers.items():
-        (state if name in COLLECTIVE_STATE else scratch)[f"collective.{name}"] = elements * dtype.itemsize
+        (state if name in state_names else scratch)[f"collective.{name}"] = elements * dtype.itemsize
     return MemoryCounts(state, scratch)
 
 
@@ -760,6 +758,9 @@ def _diloco_rule(k: DiLoCoKnobs) -> str | None:
 
 
 def _build_diloco(ctx: BuildContext) -> TrainingOptimizer:
+    topology = getattr(ctx.collective, "topology", collectives.AUTO)  # the comm section's (ClusterCollective's)
+    if ctx.knobs.outer_collective == "onebit" and topology != collectives.AUTO and not collectives.get(topology).outer:
+        raise UserError(f"optimizer.outer_collective onebit averages with comm.topology's collective, and {topology} cannot average DiLoCo's pseudo-gradient.")
     outer = OUTER_COLLECTIVES[ctx.knobs.outer_collective].build(ctx)
     optimizer = DiLoCo(ctx.parameter_groups(), **ctx.knobs.optimizer_knobs(), process_group=ctx.process_group, outer_collective=outer, **ctx.optimizer_kwargs())
     return SelfSyncing(ctx.model, optimizer, "diloco")
@@ -811,7 +812,7 @@ def _memory_diloco(ctx: MemoryContext) -> MemoryCounts | None:
         padded, comm = sum(map(sum, ctx.sizes)), MemoryCounts({})
     elif k.outer_collective == "topk":
         padded = sum(topk_layout(sizes, k.topk_chunk).padded for sizes in ctx.sizes)
-        comm = collective_memory(topk_buffers(ctx.sizes, ctx.world_size, k.topk_density, k.topk_chunk))
+        comm = collective_memory(topk_buffers(ctx.sizes, ctx.world_size, k.topk_density, k.topk_chunk), TOPK_STATE)
     else:
         padded, comm = ctx.padded(), ctx.collective(ctx.sizes)
     if k.outer_collective != "full":

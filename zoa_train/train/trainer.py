@@ -13,7 +13,6 @@ averaged in full precision, and a global norm would cost a full-precision allred
 
 import contextlib
 import copy
-import functools
 import logging
 import random
 import signal
@@ -26,7 +25,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from zoa_train.comm import ClusterCollective, OneBitAllReduce, TopologyChanged
+from zoa_train.comm import ClusterCollective, TopologyChanged
+from zoa_train.comm import registry as collectives
 from zoa_train.comm.sharding import load_full_model_state, local_shard, node_sharding
 from zoa_train.config import CommConfig, Recipe, check_batch_layout, recipe_from_dict
 from zoa_train.data.prefetch import DevicePrefetcher
@@ -216,7 +216,7 @@ class Trainer:
         c = recipe.comm
         if c.shard == "node":  # the model sharded inside each node, its shards exchanged flat between nodes
             self.sharding = node_sharding(c.ranks_per_node)
-            sync = functools.partial(OneBitAllReduce, kernels=c.kernels)
+            sync = collectives.for_shards(c.topology).build(collectives.Settings(c.kernels))
             if self.is_main:
                 print(f"sharded inside the node (FSDP2), {self.sharding.describe()}", flush=True)
         else:
@@ -228,7 +228,7 @@ class Trainer:
         if self.sharding is None and not sync.chosen and self.is_main:
             _warn_of_unused_comm_keys(recipe)
         if self.sharding is None and sync.chosen and self.is_main:
-            if sync.chosen.startswith("hierarchical"):  # flat on one node is what everyone expects: not said
+            if sync.spec is not collectives.default():  # flat on one node is what everyone expects: not said
                 print(sync.chosen, flush=True)
             if sync.fell_back:
                 log.warning("comm.topology auto: the nodes have unequal numbers of ranks, so the 1-bit sync is flat")
