@@ -453,7 +453,8 @@ def run_netsim(
             raise UserError(f"{option} {text} is more than the 1 Tbit/s an emulated link can be given; pass a lower rate.")
     if latency_s > MAX_LATENCY_S:
         raise UserError(f"--latency {latency} is more than the {MAX_LATENCY_S:g} s an emulated link can be given; pass a shorter delay.")
-    runs = {}  # label -> (optimizer, overrides); the 1-bit optimizers on several nodes of several ranks: flat and node-aware
+    load_recipe(recipe, overrides)  # its imports first: the collectives they register are raced too
+    runs = {}  # label -> (optimizer, overrides); the 1-bit optimizers on several nodes of several ranks: one per collective
     nodes = [f"comm.ranks_per_node={ranks_per_node}"] if ranks_per_node > 1 else []
     for name in optimizers:
         if registry.get(name).uses_collective and ranks_per_node > 1:
