@@ -556,7 +556,8 @@ def format_plan(result: dict[str, dict]) -> Table:
     notes = [spec.plan_note(result[spec.name]) for spec in map(registry.get, names) if spec.plan_note is not None]
     adam = result.get(registry.BASELINE)
     several = any(len(list(_variants(result[name]))) > 1 for name in names)
-    labels = {c.name: c.title for c in collectives.specs()} | {collectives.default().name: "flat" if several else "", "sharded": "sharded"}
+    labels = {c.name: c.title for c in collectives.specs()} | {"sharded": "sharded"}
+    labels[collectives.default().name] = labels[collectives.default().name] if several else ""  # alone, the column needs no name
     columns, sharded = [], set()
     for name in names:
         for key, record in _variants(result[name]):
