@@ -24,6 +24,7 @@ from zoa_train.comm.sharding import units
 from zoa_train.errors import UserError
 from zoa_train.models import builders
 from zoa_train.models.builders import ModelInputs
+from zoa_train.registry import Registry
 
 
 @dataclass
@@ -114,46 +115,19 @@ def _and(items: list[str]) -> str:
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} and {items[-1]}"
 
 
-_SPECS: dict[str, ModelSpec] = {}
+_SPECS: Registry[ModelSpec] = Registry("model family", key="kind", unknown="model kind", reserved=[f.name for f in dataclasses.fields(SharedKnobs)])
+names, get, find, knob_fields = _SPECS.names, _SPECS.get, _SPECS.find, _SPECS.knob_fields
 
 
 def register(spec: ModelSpec) -> ModelSpec:
     """Add a model family. Its knobs join the model section of every recipe, so a knob of the same name
     as another family's must mean the same (type and default), and none may be a shared one."""
-    if not dataclasses.is_dataclass(spec.knobs):
-        raise TypeError(f"the knobs of model family {spec.kind!r} must be a dataclass")
-    if _SPECS.get(spec.kind, spec) is not spec:
-        raise ValueError(f"a model family named {spec.kind!r} is registered already")
-    known = {f.name: (f.type, f.default) for f in knob_fields()}
-    own = {f.name for f in dataclasses.fields(spec.knobs)}
-    for f in dataclasses.fields(spec.knobs):
-        if f.name in ("kind", *(s.name for s in dataclasses.fields(SharedKnobs))):
-            raise ValueError(f"model family {spec.kind!r}: its knob {f.name} is a key every family has already")
-        if f.name in known and known[f.name] != (f.type, f.default):
-            raise ValueError(f"model family {spec.kind!r}: knob {f.name} has another type or default than another family's")
-    shared = {f.name for f in dataclasses.fields(SharedKnobs)}
-    unknown = (set(spec.checks) | {k for preset in spec.presets.values() for k in preset} | set(spec.custom_needs)) - own - shared
-    if unknown:
-        raise ValueError(f"model family {spec.kind!r} names knobs it does not have: {', '.join(sorted(unknown))}")
-    _SPECS[spec.kind] = spec
-    return spec
-
-
-def names() -> tuple[str, ...]:
-    """The registered model kinds, in the order they were registered."""
-    return tuple(_SPECS)
-
-
-def get(kind: str) -> ModelSpec:
-    try:
-        return _SPECS[kind]
-    except KeyError:
-        raise UserError(f"unknown model kind {kind!r}; the registered ones are {', '.join(_SPECS)}.") from None
-
-
-def find(kind: str) -> ModelSpec | None:
-    """The spec of `kind`, or None (e.g. a run of a family whose module this process has not imported)."""
-    return _SPECS.get(kind)
+    if dataclasses.is_dataclass(spec.knobs):
+        own = {f.name for f in dataclasses.fields(spec.knobs)} | {f.name for f in dataclasses.fields(SharedKnobs)}
+        unknown = (set(spec.checks) | {k for preset in spec.presets.values() for k in preset} | set(spec.custom_needs)) - own
+        if unknown:
+            raise ValueError(f"model family {spec.kind!r} names knobs it does not have: {', '.join(sorted(unknown))}")
+    return _SPECS.register(spec)
 
 
 ANY_CAUSAL_LM = "*"
@@ -234,15 +208,6 @@ def check_pretrained(spec: ModelSpec, cfg, config) -> None:
             f"model.init_from {cfg.init_from} holds a model of {loaded}, not {said} as the recipe states; "
             f"a pretrained model keeps its own shape, so leave {_and(given)} unset."
         )
-
-
-def knob_fields() -> list[dataclasses.Field]:
-    """Every registered family's own knobs, each once, in registration order."""
-    seen: dict[str, dataclasses.Field] = {}
-    for spec in _SPECS.values():
-        for f in dataclasses.fields(spec.knobs):
-            seen.setdefault(f.name, f)
-    return list(seen.values())
 
 
 def check_section(section, origin: str) -> None:

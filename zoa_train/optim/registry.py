@@ -40,6 +40,7 @@ from zoa_train.optim.schedules import LOCAL_STEP_POLICIES, StepDecision, ZeroOne
 from zoa_train.optim.training import DDPBacked, HSDPBacked, SelfSyncing, TrainingOptimizer, parameter_groups
 from zoa_train.optim.zero_one_adam import VAR_UPDATE_WEIGHTINGS, ZeroOneAdam
 from zoa_train.precision import DTYPES
+from zoa_train.registry import Registry
 from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
 
 BASELINE = "adam"  # what speed-ups and time to target are measured against
@@ -249,7 +250,8 @@ class OptimizerSpec:
         return self.knobs(**{f.name: get(f.name, f.default) for f in dataclasses.fields(self.knobs)})
 
 
-_SPECS: dict[str, OptimizerSpec] = {}
+_SPECS: Registry[OptimizerSpec] = Registry("optimizer", reserved=[f.name for f in dataclasses.fields(SharedKnobs)])
+names, get, find, knob_fields = _SPECS.names, _SPECS.get, _SPECS.find, _SPECS.knob_fields
 
 
 def _getter(values: object | Mapping) -> Callable[[str, Any], Any]:
@@ -260,47 +262,11 @@ def _getter(values: object | Mapping) -> Callable[[str, Any], Any]:
 def register(spec: OptimizerSpec) -> OptimizerSpec:
     """Add an optimizer. Its knobs join the optimizer section of every recipe, so a knob of the same
     name as another optimizer's must mean the same (type and default), and none may be a shared one."""
-    if not dataclasses.is_dataclass(spec.knobs):
-        raise TypeError(f"the knobs of optimizer {spec.name!r} must be a dataclass")
-    if _SPECS.get(spec.name, spec) is not spec:
-        raise ValueError(f"an optimizer named {spec.name!r} is registered already")
-    known = {f.name: (f.type, f.default) for f in knob_fields()}
-    for f in dataclasses.fields(spec.knobs):
-        if f.name in ("name", *(s.name for s in dataclasses.fields(SharedKnobs))):
-            raise ValueError(f"optimizer {spec.name!r}: its knob {f.name} is a key every optimizer has already")
-        if f.name in known and known[f.name] != (f.type, f.default):
-            raise ValueError(f"optimizer {spec.name!r}: knob {f.name} has another type or default than another optimizer's")
-    unknown = set(spec.checks) - {f.name for f in dataclasses.fields(spec.knobs)}
-    if unknown:
-        raise ValueError(f"optimizer {spec.name!r} checks knobs it does not have: {', '.join(sorted(unknown))}")
-    _SPECS[spec.name] = spec
-    return spec
-
-
-def names() -> tuple[str, ...]:
-    """The registered optimizer names, in the order they were registered."""
-    return tuple(_SPECS)
-
-
-def get(name: str) -> OptimizerSpec:
-    try:
-        return _SPECS[name]
-    except KeyError:
-        raise UserError(f"unknown optimizer {name!r}; the registered ones are {', '.join(_SPECS)}.") from None
-
-
-def find(name: str) -> OptimizerSpec | None:
-    """The spec of `name`, or None (e.g. a run of an optimizer whose module this process has not imported)."""
-    return _SPECS.get(name)
-
-
-def knob_fields() -> list[dataclasses.Field]:
-    """Every registered optimizer's own knobs, each once, in registration order."""
-    seen: dict[str, dataclasses.Field] = {}
-    for spec in _SPECS.values():
-        for f in dataclasses.fields(spec.knobs):
-            seen.setdefault(f.name, f)
-    return list(seen.values())
+    if dataclasses.is_dataclass(spec.knobs):
+        unknown = set(spec.checks) - {f.name for f in dataclasses.fields(spec.knobs)}
+        if unknown:
+            raise ValueError(f"optimizer {spec.name!r} checks knobs it does not have: {', '.join(sorted(unknown))}")
+    return _SPECS.register(spec)
 
 
 def knob_values(section: object) -> dict:
@@ -323,7 +289,7 @@ def check_section(values: object | Mapping, origin: str, rules: Iterable[str] = 
         if problem:
             raise checks.refusal(origin, f"optimizer.{key}", problem, value)
     for name in rules:
-        spec = _SPECS[name]
+        spec = _SPECS.get(name)
         problem = spec.check_rule(spec.knobs_from(values))
         if problem:
             raise UserError(f"{origin}: {problem}.")
@@ -377,7 +343,7 @@ def _no_unfreezing(change) -> str | None:
 
 
 def shardable_names() -> tuple[str, ...]:
-    return tuple(name for name in names() if _SPECS[name].shardable)
+    return tuple(name for name in names() if get(name).shardable)
 
 
 def import_modules(modules: Iterable[str], origin: str) -> None:
