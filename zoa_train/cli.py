@@ -10,9 +10,6 @@ zoa-train bench comm --sizes 1M,16M,64M --nproc 2        fp32 allreduce vs 1-bit
 sudo zoa-train bench netsim --ranks 2 --bandwidth 100mbit  each optimizer over emulated network links
 """
 
-import math
-import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -24,7 +21,6 @@ from rich.table import Table
 from zoa_train import __version__
 from zoa_train import console as zoa_console
 from zoa_train.errors import UserError
-from zoa_train.files import dumps_json
 
 app = typer.Typer(help="Communication-efficient distributed training with 0/1 Adam.", no_args_is_help=True, rich_markup_mode=None)
 bench_app = typer.Typer(help="Benchmarks that print ratios measured in one run.", no_args_is_help=True, rich_markup_mode=None)
@@ -80,117 +76,11 @@ def run_command(
     as_json: Annotated[bool, typer.Option("--json", help="At the end print the run's summary as one JSON object instead of text.")] = False,
 ) -> None:
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
-    from zoa_train.config import check_batch_layout, load_recipe
-    from zoa_train.distributed import LauncherSignalled, RankFailed, cluster_environment, launch_local
-    from zoa_train.files import check_directory
-    from zoa_train.train.rundir import RunDirectory
-    from zoa_train.train.trainer import CollectiveTimeout, run_rank
+    from zoa_train.train.launch import train_recipe
 
-    config = load_recipe(recipe, set_)
-    run_dir = out or Path("runs") / recipe.stem
-    if reshard and not resume:
-        fail("--reshard continues a checkpoint at another number of ranks; pass --resume auto or --resume CHECKPOINT with it.")
-    if max_restarts < 0:
-        fail(f"--max-restarts must be 0 or more, not {max_restarts}.")
-    if max_restarts and cluster_environment() is not None:
-        fail(
-            "--max-restarts restarts ranks that zoa-train run starts itself; under torchrun pass --max-restarts to torchrun (a restarted rank resumes by itself), under srun let Slurm requeue the job."
-        )
-    if nproc is not None and nproc < 1:
-        fail(f"--nproc must be at least 1, not {nproc}.")
-    if cluster_environment() is None:
-        world = nproc or config.train.nproc
-        check_batch_layout(config, world, str(recipe))
-        check_local_gpus(config.train.backend, world)
-        RunDirectory(run_dir).check(resume or None, overwrite, world, reshard)  # before any rank starts; every rank checks again
-        check_directory(Path(config.data.cache_dir).expanduser(), "data.cache_dir")
-    try:
-        if cluster_environment() is None:
-            results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume or None, overwrite, reshard, max_restarts=max_restarts)
-        else:
-            results = [run_rank(config.to_dict(), str(run_dir), resume or None, overwrite, reshard)]
-    except (RankFailed, CollectiveTimeout) as e:  # a fault, not bad input: exit 1, the rank's sentence
-        zoa_console.error(str(e))
-        raise typer.Exit(1) from None
-    except LauncherSignalled as e:  # the ranks got the signal too; a stop signal made them checkpoint first
-        import signal
-
-        from zoa_train.distributed import STOP_SIGNALS
-        from zoa_train.train.trainer import EXIT_PREEMPTED
-
-        latest = RunDirectory(run_dir).latest(hashes=False)
-        where = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
-        zoa_console.err.print(
-            f"stopped on {signal.Signals(e.signum).name}; {where}; continue with: zoa-train run {recipe} --out {run_dir} --resume auto",
-            highlight=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(EXIT_PREEMPTED if e.signum in STOP_SIGNALS else 128 + e.signum) from None
-    errors = sorted((r for r in results if r and "user_error" in r), key=lambda r: r.get("another_rank", False))
-    if errors:  # the rank that met the problem first, then those it stopped
-        fail(errors[0]["user_error"])
-    stopped = next((r for r in results if r and r.get("preempted")), None)
-    if stopped:
-        from zoa_train.train.trainer import EXIT_PREEMPTED
-
-        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) != "0":  # under a launcher: said once, by rank 0
-            raise typer.Exit(EXIT_PREEMPTED)
-        zoa_console.err.print(
-            f"stopped at step {stopped['step']} on a termination signal after a complete checkpoint; "
-            f"continue with: zoa-train run {recipe} --out {run_dir} --resume auto",
-            highlight=False,
-            soft_wrap=True,
-        )
-        raise typer.Exit(EXIT_PREEMPTED)
-    if results[0]:
-        say_run_summary(results[0]["run_dir"], config, as_json)
-
-
-def say_run_summary(run_dir: str, config, as_json: bool) -> None:
-    """What a finished run did and where its files are, then the commands a user runs next (`--json`: the
-    record alone, one JSON object)."""
-    from zoa_train.models import registry as models
-    from zoa_train.optim.plan import format_bytes
-    from zoa_train.runs import run_summary
-    from zoa_train.train.metrics import clock
-
-    done = run_summary(run_dir)
-    if as_json:
-        print(dumps_json(done))
-        return
-    lines = [f"done: {done['steps']:,} steps in {clock(done['wall_time_s'] or 0)}"]
-    if done["val_loss"] is not None:
-        top1 = f", top-1 {done['val_top1']:.2%}" if done["val_top1"] is not None else ""
-        lines.append(f"  validation loss {done['val_loss']:.4f}{top1} (best {done['best_val_loss']:.4f} at step {done['best_val_step']:,})")
-    if done["bits_per_param"] is not None:
-        # bytes_sent is the slow link's: between nodes where the ledger also counted traffic inside them
-        links = f"between nodes, {format_bytes(done['intra_bytes_sent'])} inside the node" if done["intra_bytes_sent"] else "between ranks"
-        lines.append(
-            f"  sent {done['bits_per_param']:.3f} bits per parameter a step in {done['rounds']:,} rounds: {format_bytes(done['bytes_sent'])} per rank {links}"
-        )
-    if done["mem_peak_bytes"] is not None:
-        mfu = f", MFU {done['mfu_percent']:.1f}%" if done["mfu_percent"] is not None else ""
-        lines.append(f"  peak memory {format_bytes(done['mem_peak_bytes'])} per rank{mfu}")
-    lines.append(f"  run directory {run_dir}: checkpoint {done['checkpoint']}, logs {', '.join(Path(p).name for p in done['logs'])}")
-    spec = models.get(config.model.kind)
-    data = {"imagenet": "VAL_DIR", "glue": "GLUE_DIR"}
-    lines.append("next:")
-    lines += [f"  zoa-train eval {name} --checkpoint {run_dir} --data {data.get(name, 'FILE')}" for name in spec.evaluations]
-    if spec.hf_model_types:  # a Hugging Face model: export writes its directory
-        lines.append(f"  zoa-train export {run_dir} OUT_DIR")
-    lines.append(f"  zoa-train report {run_dir}")
-    console.print("\n".join(lines), highlight=False, soft_wrap=True)
-
-
-def check_local_gpus(backend: str, world: int) -> None:
-    """Refuse more local NCCL ranks than GPUs before starting any."""
-    import torch
-
-    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
-        visible = torch.cuda.device_count()
-        if world > visible:
-            remedy = f"pass --nproc {visible} or fewer, or set train.backend=gloo" if visible else "set train.backend=gloo to train on CPUs"
-            fail(f"{world} ranks need {world} GPUs and this machine has {visible}; {remedy}.")
+    code = train_recipe(recipe, set_, nproc, out or Path("runs") / recipe.stem, resume or None, overwrite, reshard, max_restarts, as_json)
+    if code:
+        raise typer.Exit(code)
 
 
 @app.command("slurm")
@@ -221,9 +111,7 @@ def slurm_command(
     set_: Annotated[list[str], typer.Option("--set", help="Override a recipe value: section.key=value (repeatable).")] = [],
 ) -> None:
     """Write an sbatch script for a recipe into the run directory and submit it (requeues itself on a time-limit warning)."""
-    from zoa_train.config import check_batch_layout, load_recipe
-    from zoa_train.slurm import SlurmJob, parse_env, queued_jobs, record_submission, render_script, submit, write_job
-    from zoa_train.train.rundir import RunDirectory
+    from zoa_train.slurm import SlurmJob, parse_env, submit_recipe
 
     job = SlurmJob(
         nodes=nodes,
@@ -243,39 +131,7 @@ def slurm_command(
         master_port=master_port,
         sbatch_options=sbatch_option,
     )
-    config = load_recipe(recipe, set_)
-    if not job.gpus:
-        if config.train.backend == "nccl":
-            fail(f"{recipe} sets train.backend nccl and this is a CPU job; give it GPUs with --gpus-per-node or set train.backend=gloo.")
-        config.train.backend = "gloo"
-    check_batch_layout(config, job.world_size, str(recipe))
-    run_dir = out or Path("runs") / recipe.stem
-    if dry_run:
-        console.print(render_script(job, run_dir, Path.cwd()), highlight=False, markup=False, soft_wrap=True)
-        return
-    if resume not in ("", "auto"):
-        fail(f"--resume {resume}: a Slurm job continues its run directory's latest checkpoint; pass --resume auto.")
-    queued = queued_jobs(run_dir)
-    if queued:
-        fail(f"job {queued[0][0]} ({queued[0][1].lower()}) already uses run directory {run_dir}; wait for it or scancel it first.")
-    rundir = RunDirectory(run_dir)
-    rundir.check(resume or None, overwrite, job.world_size)
-    if overwrite:  # empty it now, under its lock: the job itself always starts with --resume auto
-        rundir.prepare(None, True, job.world_size, 0)
-        rundir.close()
-    fresh = [p for p in (run_dir, run_dir / "slurm") if not p.exists()]
-    script = write_job(job, config.to_dict(), run_dir, Path.cwd())
-    try:
-        job_id = submit(script)
-    except UserError:
-        if fresh:  # a refused job leaves no trace, so the same command can be run again
-            shutil.rmtree(fresh[0])
-        raise
-    record_submission(run_dir, job_id, script, job)
-    log = script.parent / f"job-{job_id}.out"
-    console.print(f"submitted job {job_id}: {job.world_size} ranks on {job.nodes} node(s), launcher {job.launcher}", highlight=False)
-    console.print(f"  script   {script}\n  log      {log}\n  history  {script.parent / 'jobs.jsonl'}", highlight=False)
-    console.print(f"  follow   squeue -j {job_id}; sacct -j {job_id} --format=JobID,State,Elapsed,ExitCode; tail -f {log}", highlight=False, soft_wrap=True)
+    submit_recipe(job, recipe, set_, out or Path("runs") / recipe.stem, resume, overwrite, dry_run)
 
 
 @app.command("plan")
@@ -329,113 +185,27 @@ def plan_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by optimizer name.")] = False,
 ) -> None:
     """Communication and memory per rank of every optimizer (Adam, 1-bit Adam, 0/1 Adam, ...) over a whole recipe on N nodes of G ranks, without training; with --step-time, predicted step time, time to train and speed-ups."""
-    import math
+    from zoa_train.planning import plan_recipe
 
-    from zoa_train.comm.buckets import BUCKET_CAP_MB
-    from zoa_train.config import load_recipe
-    from zoa_train.optim import registry
-    from zoa_train.optim.plan import StepCosts, format_plan, parse_bandwidth, parse_latency, parse_memory, plan
-
-    config = load_recipe(recipe, set_)
-    for option, count in (("--nodes", nodes), ("--world-size", world_size), ("--gpus-per-node", gpus_per_node)):
-        if count is not None and count < 1:
-            fail(f"{option} must be at least 1, not {count}.")
-    if not (0 <= backward_fraction <= 1 and compress_rate >= 0 and reduce_rate >= 0 and fsdp_rate >= 0 and params >= 0):
-        fail("--backward-fraction must be in [0, 1], and --compress-rate, --reduce-rate, --fsdp-rate and --params not negative.")
-    if nodes is not None and world_size is not None:
-        fail("give --nodes or --world-size, not both.")
-    if world_size is not None and world_size % gpus_per_node:
-        fail(f"--gpus-per-node {gpus_per_node} does not divide --world-size {world_size}.")
-    ranks = world_size or (nodes or 64) * gpus_per_node
-    if config.comm.shard == "node" and gpus_per_node == 1:
-        zoa_console.err.print(
-            f"warning: {recipe} shards the model over each node's GPUs (comm.shard node) and --gpus-per-node 1 gives a node one, so the plan "
-            "has no sharded columns; pass --gpus-per-node (e.g. 8) to see them."
-        )
-    costs = None
-    if step_time:
-        c = config.comm
-        overlap_bucket = int((c.bucket_cap_mb or BUCKET_CAP_MB) * 2**20)
-        costs = StepCosts(
-            parse_latency(step_time),
-            backward_fraction,
-            compress_rate or math.inf,
-            reduce_rate or math.inf,
-            overlap=c.overlap,
-            overlap_bucket_bytes=overlap_bucket,
-            micro_batches=max(1, -(-config.train.global_batch_size // (config.train.micro_batch_size * ranks))),
-            fsdp_rate=fsdp_rate or math.inf,
-        )
-    o = config.optimizer
-    gpu_bytes = parse_memory(gpu_memory) if gpu_memory else None
-    named = named_parameter_shapes(config)
-    shapes = tuple(shape for _, shape in named)
-    activations = planned_activations(config)
-    result = plan(
-        config.train.steps,
-        config.lr_schedule(),
-        ranks,
-        params or sum(math.prod(shape) for shape in shapes),
-        **registry.knob_values(o),
-        allreduce_bits=32 if o.allreduce_dtype == "fp32" else 16,
-        bandwidth_bytes_per_s=parse_bandwidth(bandwidth),
-        latency_s=parse_latency(latency),
-        ranks_per_node=gpus_per_node,
-        intra_bandwidth_bytes_per_s=parse_bandwidth(intra_bandwidth) if intra_bandwidth else math.inf,
+    plan_recipe(
+        recipe,
+        set_,
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        world_size=world_size,
+        bandwidth=bandwidth,
+        intra_bandwidth=intra_bandwidth,
+        latency=latency,
         backend=backend,
-        costs=costs,
-        betas=o.betas,
-        param_shapes=shapes,
-        activations=activations,
-        checkpointing=config.train.activation_checkpointing,
-        param_names=tuple(name for name, _ in named),
-        gpu_memory_bytes=gpu_bytes,
+        step_time=step_time,
+        backward_fraction=backward_fraction,
+        compress_rate=compress_rate,
+        reduce_rate=reduce_rate,
+        fsdp_rate=fsdp_rate,
+        params=params,
+        gpu_memory=gpu_memory,
+        as_json=as_json,
     )
-    if as_json:
-        print(dumps_json(result))
-        return
-    console.print(format_plan(result))
-    for name, record in result.items():
-        if "warning" in record:
-            zoa_console.err.print(f"warning ({name}): {record['warning']}")
-
-
-def planned_activations(config) -> dict[str, int] | None:
-    """The activations one micro-batch of the recipe keeps for backward, by train.activation_checkpointing
-    mode (zoa_train/tasks/activations.py), or None with a warning where its model cannot run on fake tensors."""
-    from zoa_train.tasks.activations import activation_memory
-
-    try:
-        return activation_memory(config).as_dict()
-    except Exception as e:  # noqa: BLE001 -- a model's own code on fake tensors: counted where it runs, said where not
-        zoa_console.err.print(
-            f"warning: activations are not counted for this model ({type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''})."
-        )
-        return None
-
-
-def named_parameter_shapes(config) -> tuple[tuple[str, tuple[int, ...]], ...]:
-    """(name, shape) of the recipe's model's parameters, built on the meta device (no memory, no
-    download); a language model's vocabulary is data.vocab_size, the size of a tokenizer trained for the recipe."""
-    import torch
-
-    from zoa_train.tasks import task_class
-
-    with torch.device("meta"):
-        model = task_class(config).model_for_counting(config)
-    return tuple((name, tuple(p.shape)) for name, p in model.named_parameters())
-
-
-def parameter_shapes(config) -> tuple[tuple[int, ...], ...]:
-    """The shapes of the recipe's model's parameters (named_parameter_shapes)."""
-    return tuple(shape for _, shape in named_parameter_shapes(config))
-
-
-def count_parameters(config) -> int:
-    """Parameters of the recipe's model (parameter_shapes)."""
-    import math
-
-    return sum(math.prod(shape) for shape in parameter_shapes(config))
 
 
 @app.command("convert-deepspeed")
@@ -544,20 +314,9 @@ def bench_ops(
     scale: Annotated[int, typer.Option(help="Divide every tensor size by this: smaller runs, the same tensor count. [default: 1]", show_default=False)] = 1,
 ) -> None:
     """Ops (kernel launches on an accelerator) and CPU time per 1-bit step of BERT-Large's 398 tensors, counted with torch.profiler."""
-    from zoa_train.bench.comm import BENCH_OPS_BYTES_PER_ELEMENT, bert_large_groups, profile_rank
-    from zoa_train.bench.limits import RANK_PROCESS_BYTES, check_count, check_fits, check_local_ranks
-    from zoa_train.distributed import launch_local
+    from zoa_train.bench.commands import bench_ops as run_bench
 
-    check_local_ranks(nproc)
-    check_count("--calls", calls)
-    largest = max(map(max, bert_large_groups()))
-    check_count("--scale", scale, 1, largest)  # at the largest, every tensor has one element
-    groups = [[max(1, size // scale) for size in sizes] for sizes in bert_large_groups()]
-    elements = sum(map(sum, groups))
-    check_count("--block-size", block_size, 0, elements)  # a block holds at most the call's elements
-    need = nproc * (RANK_PROCESS_BYTES + BENCH_OPS_BYTES_PER_ELEMENT * elements)
-    check_fits(f"{nproc:,} ranks of {elements:,} elements (--scale {scale:,})", need, "pass a larger --scale or a smaller --nproc")
-    print(dumps_json(launch_local(profile_rank, nproc, groups, calls, block_size or None, per_group, None)[0], indent=2))
+    run_bench(nproc, calls, block_size, per_group, scale)
 
 
 @bench_app.command("comm")
@@ -578,92 +337,9 @@ def bench_comm(
     """Time torch.distributed.all_reduce (fp32) against OneBitAllReduce on the same tensors.
 
     Started by torchrun or srun, it runs as one of their ranks (--nproc is then theirs) and rank 0 prints; bench netsim uses this to put the ranks on emulated network links."""
-    from zoa_train.bench.comm import FEEDBACK_CALLS, parse_size, rank_main
-    from zoa_train.bench.limits import check_count, check_local_ranks
-    from zoa_train.distributed import cluster_environment, launch_local
+    from zoa_train.bench.commands import bench_comm as run_bench
 
-    try:
-        numels = [parse_size(s) for s in sizes.split(",") if s.strip()]
-    except ValueError as e:
-        fail(f"--sizes: {e}.")
-    check_local_ranks(nproc)
-    check_count("--repeats", repeats)
-    if backend not in ("", "gloo", "nccl"):
-        fail(f"--backend must be gloo or nccl, not {backend!r}.")
-    world = int(os.environ["WORLD_SIZE"]) if cluster_environment() is not None else nproc
-    if ranks_per_node < 0 or (ranks_per_node and (world % ranks_per_node or world == ranks_per_node)):
-        fail(f"--ranks-per-node must divide the {world} ranks into two or more nodes, not {ranks_per_node}.")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if cluster_environment() is not None else nproc
-    check_bench_comm_machine(backend, local, max(numels, default=0))
-    if cluster_environment() is None:
-        rows = launch_local(rank_main, nproc, numels, repeats, backend or None, ranks_per_node)[0]
-    else:
-        rows = rank_main(numels, repeats, backend or None, ranks_per_node)
-        if rows is None:  # not rank 0
-            return
-        nproc = world
-    result = {"nproc": nproc, "backend": backend or "default", "repeats": repeats, "ranks_per_node": ranks_per_node, "results": rows}
-    if as_json:
-        print(dumps_json(result))
-        return
-    table = Table(title=f"fp32 allreduce vs 1-bit allreduce, {nproc} ranks")
-    kernels = rows[0]["kernels"] if rows else "?"
-    for name in ("elements", "fp32 s", "bf16 s", f"1-bit ({kernels}) s", "1-bit/fp32", "torch path s", "torch path/fp32", "err 1 call",
-                 f"err mean {FEEDBACK_CALLS}", "pack+unpack GB/s", "add GB/s", "ratio"):  # fmt: skip
-        table.add_column(name, justify="right")
-    for r in rows:
-        table.add_row(
-            f"{r['numel']:,}",
-            f"{r['allreduce_fp32_s']:.4f}",
-            f"{r['allreduce_bf16_s']:.4f}",
-            f"{r['onebit_s']:.4f}",
-            f"{r['onebit_vs_fp32']:.2f}x",
-            f"{r['onebit_torch_path_s']:.4f}",
-            f"{r['onebit_torch_path_vs_fp32']:.2f}x",
-            f"{r['rel_error_one_call']:.3f}",
-            f"{r[f'rel_error_mean_of_{FEEDBACK_CALLS}']:.4f}",
-            f"{r['pack_unpack_gbps']:.1f}",
-            f"{r['add_gbps']:.1f}",
-            f"{r['pack_unpack_vs_add']:.2f}",
-        )
-    console.print(table)
-    if ranks_per_node:
-        from zoa_train.optim.plan import format_bytes
-
-        nodes = Table(title=f"flat vs node-aware 1-bit allreduce, {nproc // ranks_per_node} nodes x {ranks_per_node} ranks: time and bytes per rank per call")
-        for name in ("elements", "flat 1-bit s", "node-aware s", "node-aware vs fp32", "flat between nodes", "node-aware between nodes", "node-aware inside"):
-            nodes.add_column(name, justify="right")
-        for r in rows:
-            nodes.add_row(f"{r['numel']:,}", f"{r['onebit_s']:.4f}", f"{r['node_aware_s']:.4f}", f"{r['node_aware_speedup']:.2f}x",
-                          format_bytes(r["onebit_inter_bytes_per_rank"]), format_bytes(r["node_aware_inter_bytes_per_rank"]),
-                          format_bytes(r["node_aware_intra_bytes_per_rank"]))  # fmt: skip
-        console.print(nodes)
-
-
-# What bench comm holds per rank and element of its largest size (zoa_train/bench/comm.py): the input,
-# its exact average, fp32 and bf16 work copies, the running sum and a clone per call, two 1-bit
-# collectives' buffers and errors, and on rank 0 the codec's buffers: about 44 bytes, rounded up.
-BENCH_COMM_BYTES_PER_ELEMENT = 48
-
-
-def check_bench_comm_machine(backend: str, local_ranks: int, numel: int) -> None:
-    """Refuse a backend or a size this machine cannot give `local_ranks` ranks, before starting any."""
-    import torch
-
-    from zoa_train.bench.limits import available_memory
-    from zoa_train.optim.plan import format_bytes
-
-    gpus = torch.cuda.device_count()
-    nccl = (backend or ("nccl" if gpus else "gloo")) == "nccl"
-    if nccl and gpus < local_ranks:
-        fail(f"--backend nccl needs a GPU for each of the {local_ranks} local ranks and this machine has {gpus}; pass --backend gloo.")
-    if nccl:  # each rank its own GPU, judged by its size (asking for its free memory would give this process a context on each)
-        room, where, whom = min(torch.cuda.get_device_properties(i).total_memory for i in range(local_ranks)), "on its GPU", "each rank"
-    else:
-        room, where, whom = available_memory(), "of memory available on this machine", f"{local_ranks} ranks"
-    need = BENCH_COMM_BYTES_PER_ELEMENT * numel * (1 if nccl else local_ranks)
-    if need > room:
-        fail(f"--sizes {numel:,} elements need about {format_bytes(need)} for {whom} and there are {format_bytes(room)} {where}; pass smaller sizes.")
+    run_bench(sizes, nproc, backend, repeats, ranks_per_node, as_json)
 
 
 @bench_app.command("netsim")
@@ -736,69 +412,28 @@ def bench_netsim(
     """Train each optimizer on ranks in network namespaces (emulated nodes) joined by a bridge over rate-limited, delayed veth links, same recipe and seed.
 
     Reports step time, throughput, bits/param, rounds, bytes sent, time to Adam's final val_loss and speed-ups against Adam, then bench comm over the same links. Needs root and iproute2; removes everything it creates, also on failure or Ctrl-C."""
-    from zoa_train.bench.comm import parse_size
-    from zoa_train.bench.limits import check_fits
-    from zoa_train.bench.netsim import RankFailed, parse_optimizers, run_netsim
-    from zoa_train.config import load_recipe
+    from zoa_train.bench.commands import bench_netsim as run_bench
 
-    if steps < 0:
-        fail("--steps must be positive (0 keeps the recipe's train.steps).")
-    for option, count in (("--nodes", nodes), ("--ranks-per-node", ranks_per_node)):
-        if count is not None and count < 1:
-            fail(f"{option} must be at least 1, not {count}.")
-    if ranks_per_node > 1 and nodes is None:
-        fail("--ranks-per-node needs --nodes: pass --nodes N --ranks-per-node G for N namespaces of G ranks.")
-    if shard and ranks_per_node < 2:
-        fail("--shard shards inside each node, so it needs --nodes N --ranks-per-node G with G of 2 or more.")
-    world = nodes * ranks_per_node if nodes else ranks
-    if not 0 <= margin < 1:
-        fail(f"--margin must be a fraction in [0, 1), not {margin}.")
-    if target_loss is not None and not (math.isfinite(target_loss) and target_loss > 0):
-        fail(f"--target-loss must be a positive loss, not {target_loss}.")
-    overrides = [*set_, *([f"train.steps={steps}"] if steps else [])]
-    config = load_recipe(recipe, overrides)  # also imports the modules that register its optimizers
-    names = parse_optimizers(optimizers)
-    num_params = count_parameters(config)
-    numels = [num_params]
-    if comm_sizes.strip() == "none":
-        numels = []
-    elif comm_sizes.strip():
-        try:
-            numels = [parse_size(s) for s in comm_sizes.split(",") if s.strip()]
-        except ValueError as e:
-            fail(f"--comm-sizes: {e}.")
-    if not names and not numels:
-        fail("--optimizers none and --comm-sizes none leave nothing to run.")
-    # bench comm over the links holds what it holds on one machine (--sizes), on every rank of this one
-    check_fits(f"--comm-sizes {max(numels, default=0):,} elements", BENCH_COMM_BYTES_PER_ELEMENT * max(numels, default=0) * world, "pass smaller --comm-sizes")
-    say = zoa_console.err.print
-    try:
-        result = run_netsim(
-            recipe,
-            overrides,
-            names,
-            world,
-            bandwidth,
-            latency,
-            out,
-            numels,
-            progress=lambda m: say(m, highlight=False),
-            margin=margin,
-            ranks_per_node=ranks_per_node,
-            intra_bandwidth=intra_bandwidth,
-            num_params=num_params,
-            target_loss=target_loss,
-            shard=shard,
-        )
-    except RankFailed as e:
-        zoa_console.error(str(e))
-        raise typer.Exit(1) from None
-    if as_json:
-        print(dumps_json(result))
-    else:
-        from zoa_train.bench.netsim import format_netsim
-
-        console.print(format_netsim(result))
+    code = run_bench(
+        recipe,
+        set_,
+        ranks=ranks,
+        nodes=nodes,
+        ranks_per_node=ranks_per_node,
+        shard=shard,
+        bandwidth=bandwidth,
+        intra_bandwidth=intra_bandwidth,
+        latency=latency,
+        optimizers=optimizers,
+        steps=steps,
+        comm_sizes=comm_sizes,
+        out=out,
+        margin=margin,
+        target_loss=target_loss,
+        as_json=as_json,
+    )
+    if code:
+        raise typer.Exit(code)
 
 
 @bench_app.command("optim")
@@ -810,26 +445,9 @@ def bench_optim(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """Optimizer step cost against torch.optim.AdamW(fused), the fastest AdamW, and optimizer state bytes per parameter."""
-    import torch
+    from zoa_train.bench.commands import bench_optim as run_bench
 
-    from zoa_train.bench.limits import check_count, check_positive_finite
-    from zoa_train.bench.optim import check_optimizer_bench_memory, format_optimizer_bench, run_optimizer_bench
-
-    check_positive_finite("--params-millions", params_millions)
-    check_count("--repeats", repeats)
-    check_count("--threads", threads, 0, os.cpu_count() or 1)  # 0: all cores
-    try:
-        where = torch.device(device)
-    except RuntimeError:
-        fail(f"--device must be cpu, cuda or cuda:N, not {device!r}.")
-    if where.type not in ("cpu", "cuda") or (where.type == "cuda" and not torch.cuda.is_available()):
-        fail(f"--device {device}: this machine has no such device (CUDA available: {torch.cuda.is_available()}).")
-    check_optimizer_bench_memory(params_millions, where)
-    result = run_optimizer_bench(params_millions, repeats, threads or None, device)
-    if as_json:
-        print(dumps_json(result, default=str))
-    else:
-        console.print(format_optimizer_bench(result))
+    run_bench(params_millions, repeats, threads, device, as_json)
 
 
 @bench_app.command("loader")
@@ -846,33 +464,9 @@ def bench_loader(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
 ) -> None:
     """One rank's data loader (tokens/s or images/s) against the trainer's consumption per rank on the recipe, one process."""
-    from zoa_train.bench.limits import check_count
-    from zoa_train.bench.loader import run_loader_bench
-    from zoa_train.config import load_recipe
-    from zoa_train.optim.plan import parse_latency
+    from zoa_train.bench.commands import bench_loader as run_bench
 
-    check_count("--batches", batches)
-    step_s = None
-    if step_time:
-        try:
-            step_s = parse_latency(step_time)
-        except UserError:
-            step_s = 0.0
-        if not step_s > 0:
-            raise UserError(f"--step-time {step_time!r} is not understood: expected a positive time with a unit ns, us, ms or s, e.g. 250ms.")
-    r = run_loader_bench(load_recipe(recipe, set_), batches, step_s)
-    if as_json:
-        print(dumps_json(r))
-        return
-    unit = r["unit"]
-    how = f"measured here: forward, backward and AdamW on {r['step_threads']} thread(s), a rank's share" if r["step_time"] == "measured" else "given"
-    console.print(
-        f"rank 0 of {r['world_size']}: the loader gives {r['loader_units_per_s_per_rank']:,.0f} {unit}/s "
-        f"({r['loader_s_per_batch'] * 1e3:.2f} ms per micro-batch of {r['micro_batch_size']}); "
-        f"the trainer takes {r['trainer_units_per_s_per_rank']:,.0f} {unit}/s per rank "
-        f"({r['units_per_step_per_rank']:,} {unit} a step in {r['step_s'] * 1e3:.1f} ms, {how}): "
-        f"the loader is {r['loader_over_trainer']:,.1f}x the trainer's need (target: at least 10x)"
-    )
+    run_bench(recipe, set_, batches, step_time, as_json)
 
 
 # Recent typer releases carry their own copy of click, whose usage errors are not click's.

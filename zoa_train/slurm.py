@@ -287,3 +287,44 @@ def record_submission(run_dir: Path, job_id: str, script: Path, job: SlurmJob) -
     }
     with open(run_dir / "slurm" / HISTORY, "a") as f:
         f.write(json.dumps(entry) + "\n")
+
+
+def submit_recipe(job: SlurmJob, recipe: Path, overrides: list[str], run_dir: Path, resume: str, overwrite: bool, dry_run: bool) -> None:
+    """`zoa-train slurm`: write the job for `recipe` into `run_dir` and submit it (`dry_run`: print the
+    script alone); UserError of one sentence for a job that cannot run."""
+    from zoa_train.config import check_batch_layout, load_recipe
+    from zoa_train.console import out
+    from zoa_train.train.rundir import RunDirectory
+
+    config = load_recipe(recipe, overrides)
+    if not job.gpus:
+        if config.train.backend == "nccl":
+            raise UserError(f"{recipe} sets train.backend nccl and this is a CPU job; give it GPUs with --gpus-per-node or set train.backend=gloo.")
+        config.train.backend = "gloo"
+    check_batch_layout(config, job.world_size, str(recipe))
+    if dry_run:
+        out.print(render_script(job, run_dir, Path.cwd()), highlight=False, markup=False, soft_wrap=True)
+        return
+    if resume not in ("", "auto"):
+        raise UserError(f"--resume {resume}: a Slurm job continues its run directory's latest checkpoint; pass --resume auto.")
+    queued = queued_jobs(run_dir)
+    if queued:
+        raise UserError(f"job {queued[0][0]} ({queued[0][1].lower()}) already uses run directory {run_dir}; wait for it or scancel it first.")
+    rundir = RunDirectory(run_dir)
+    rundir.check(resume or None, overwrite, job.world_size)
+    if overwrite:  # empty it now, under its lock: the job itself always starts with --resume auto
+        rundir.prepare(None, True, job.world_size, 0)
+        rundir.close()
+    fresh = [p for p in (run_dir, run_dir / "slurm") if not p.exists()]
+    script = write_job(job, config.to_dict(), run_dir, Path.cwd())
+    try:
+        job_id = submit(script)
+    except UserError:
+        if fresh:  # a refused job leaves no trace, so the same command can be run again
+            shutil.rmtree(fresh[0])
+        raise
+    record_submission(run_dir, job_id, script, job)
+    log = script.parent / f"job-{job_id}.out"
+    out.print(f"submitted job {job_id}: {job.world_size} ranks on {job.nodes} node(s), launcher {job.launcher}", highlight=False)
+    out.print(f"  script   {script}\n  log      {log}\n  history  {script.parent / 'jobs.jsonl'}", highlight=False)
+    out.print(f"  follow   squeue -j {job_id}; sacct -j {job_id} --format=JobID,State,Elapsed,ExitCode; tail -f {log}", highlight=False, soft_wrap=True)

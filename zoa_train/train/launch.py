@@ -1,0 +1,114 @@
+"""`zoa-train run`: check a recipe against this machine, start its ranks (here, or as one rank of
+torchrun/srun), and say how the run ended. Bad input is a UserError of one sentence (exit 2); the
+other endings are exit codes the CLI passes on."""
+
+import os
+import signal
+from pathlib import Path
+
+import torch
+
+from zoa_train import console
+from zoa_train.config import check_batch_layout, load_recipe
+from zoa_train.distributed import STOP_SIGNALS, LauncherSignalled, RankFailed, cluster_environment, launch_local
+from zoa_train.errors import UserError
+from zoa_train.files import check_directory, dumps_json
+from zoa_train.train.rundir import RunDirectory
+from zoa_train.train.trainer import EXIT_PREEMPTED, CollectiveTimeout, run_rank
+
+
+def train_recipe(
+    recipe: Path, overrides: list[str], nproc: int | None, run_dir: Path, resume: str | None, overwrite: bool, reshard: bool, max_restarts: int, as_json: bool
+) -> int:
+    """Train `recipe` into `run_dir`; the exit code: 0 done, 1 a rank's fault, EXIT_PREEMPTED (or
+    128 + signal) stopped on a signal."""
+    config = load_recipe(recipe, overrides)
+    if reshard and not resume:
+        raise UserError("--reshard continues a checkpoint at another number of ranks; pass --resume auto or --resume CHECKPOINT with it.")
+    if max_restarts < 0:
+        raise UserError(f"--max-restarts must be 0 or more, not {max_restarts}.")
+    if max_restarts and cluster_environment() is not None:
+        raise UserError(
+            "--max-restarts restarts ranks that zoa-train run starts itself; under torchrun pass --max-restarts to torchrun (a restarted rank resumes by itself), under srun let Slurm requeue the job."
+        )
+    if nproc is not None and nproc < 1:
+        raise UserError(f"--nproc must be at least 1, not {nproc}.")
+    if cluster_environment() is None:
+        world = nproc or config.train.nproc
+        check_batch_layout(config, world, str(recipe))
+        check_local_gpus(config.train.backend, world)
+        RunDirectory(run_dir).check(resume, overwrite, world, reshard)  # before any rank starts; every rank checks again
+        check_directory(Path(config.data.cache_dir).expanduser(), "data.cache_dir")
+    try:
+        if cluster_environment() is None:
+            results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume, overwrite, reshard, max_restarts=max_restarts)
+        else:
+            results = [run_rank(config.to_dict(), str(run_dir), resume, overwrite, reshard)]
+    except (RankFailed, CollectiveTimeout) as e:  # a fault, not bad input: exit 1, the rank's sentence
+        console.error(str(e))
+        return 1
+    except LauncherSignalled as e:  # the ranks got the signal too; a stop signal made them checkpoint first
+        latest = RunDirectory(run_dir).latest(hashes=False)
+        where = f"the latest complete checkpoint is {latest}" if latest else "no complete checkpoint was written"
+        _say_stopped(f"stopped on {signal.Signals(e.signum).name}; {where}", recipe, run_dir)
+        return EXIT_PREEMPTED if e.signum in STOP_SIGNALS else 128 + e.signum
+    errors = sorted((r for r in results if r and "user_error" in r), key=lambda r: r.get("another_rank", False))
+    if errors:  # the rank that met the problem first, then those it stopped
+        raise UserError(errors[0]["user_error"])
+    stopped = next((r for r in results if r and r.get("preempted")), None)
+    if stopped:
+        if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":  # under a launcher: said once, by rank 0
+            _say_stopped(f"stopped at step {stopped['step']} on a termination signal after a complete checkpoint", recipe, run_dir)
+        return EXIT_PREEMPTED
+    if results[0]:
+        say_run_summary(results[0]["run_dir"], config, as_json)
+    return 0
+
+
+def _say_stopped(what: str, recipe: Path, run_dir: Path) -> None:
+    console.err.print(f"{what}; continue with: zoa-train run {recipe} --out {run_dir} --resume auto", highlight=False, soft_wrap=True)
+
+
+def check_local_gpus(backend: str, world: int) -> None:
+    """Refuse more local NCCL ranks than GPUs before starting any."""
+    if backend == "nccl" or (backend == "auto" and torch.cuda.is_available()):
+        visible = torch.cuda.device_count()
+        if world > visible:
+            remedy = f"pass --nproc {visible} or fewer, or set train.backend=gloo" if visible else "set train.backend=gloo to train on CPUs"
+            raise UserError(f"{world} ranks need {world} GPUs and this machine has {visible}; {remedy}.")
+
+
+def say_run_summary(run_dir: str, config, as_json: bool) -> None:
+    """What a finished run did and where its files are, then the commands a user runs next (`--json`: the
+    record alone, one JSON object)."""
+    from zoa_train.models import registry as models
+    from zoa_train.optim.plan import format_bytes
+    from zoa_train.runs import run_summary
+    from zoa_train.train.metrics import clock
+
+    done = run_summary(run_dir)
+    if as_json:
+        print(dumps_json(done))
+        return
+    lines = [f"done: {done['steps']:,} steps in {clock(done['wall_time_s'] or 0)}"]
+    if done["val_loss"] is not None:
+        top1 = f", top-1 {done['val_top1']:.2%}" if done["val_top1"] is not None else ""
+        lines.append(f"  validation loss {done['val_loss']:.4f}{top1} (best {done['best_val_loss']:.4f} at step {done['best_val_step']:,})")
+    if done["bits_per_param"] is not None:
+        # bytes_sent is the slow link's: between nodes where the ledger also counted traffic inside them
+        links = f"between nodes, {format_bytes(done['intra_bytes_sent'])} inside the node" if done["intra_bytes_sent"] else "between ranks"
+        lines.append(
+            f"  sent {done['bits_per_param']:.3f} bits per parameter a step in {done['rounds']:,} rounds: {format_bytes(done['bytes_sent'])} per rank {links}"
+        )
+    if done["mem_peak_bytes"] is not None:
+        mfu = f", MFU {done['mfu_percent']:.1f}%" if done["mfu_percent"] is not None else ""
+        lines.append(f"  peak memory {format_bytes(done['mem_peak_bytes'])} per rank{mfu}")
+    lines.append(f"  run directory {run_dir}: checkpoint {done['checkpoint']}, logs {', '.join(Path(p).name for p in done['logs'])}")
+    spec = models.get(config.model.kind)
+    data = {"imagenet": "VAL_DIR", "glue": "GLUE_DIR"}
+    lines.append("next:")
+    lines += [f"  zoa-train eval {name} --checkpoint {run_dir} --data {data.get(name, 'FILE')}" for name in spec.evaluations]
+    if spec.hf_model_types:  # a Hugging Face model: export writes its directory
+        lines.append(f"  zoa-train export {run_dir} OUT_DIR")
+    lines.append(f"  zoa-train report {run_dir}")
+    console.out.print("\n".join(lines), highlight=False, soft_wrap=True)
