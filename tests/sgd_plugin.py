@@ -12,6 +12,7 @@ import torch
 from zoa_train import checks
 from zoa_train.optim import registry
 from zoa_train.optim.training import DDPBacked
+from zoa_train.plan.counts import MemoryContext, MemoryCounts, PlanContext, PlanCounts, fp32
 from zoa_train.precision import DTYPES
 
 
@@ -31,14 +32,14 @@ def build(ctx: registry.BuildContext) -> DDPBacked:
                      allreduce_dtype=DTYPES[s.allreduce_dtype], second_moment=False)  # fmt: skip
 
 
-def plan(ctx: registry.PlanContext) -> registry.PlanCounts:
+def plan(ctx: PlanContext) -> PlanCounts:
     """DDP averages every gradient in full precision: one allreduce, one round, one sync per step."""
-    return registry.PlanCounts(fp_allreduces=ctx.steps, onebit_allreduces=0, rounds=ctx.steps, syncs=ctx.steps, variance_updates=0)
+    return PlanCounts(fp_allreduces=ctx.steps, onebit_allreduces=0, rounds=ctx.steps, syncs=ctx.steps, variance_updates=0)
 
 
-def memory(ctx: registry.MemoryContext) -> registry.MemoryCounts:
+def memory(ctx: MemoryContext) -> MemoryCounts:
     """What plan counts per rank: torch's SGD keeps one momentum buffer like each parameter."""
-    return registry.MemoryCounts(registry.fp32(momentum_buffer=sum(map(sum, ctx.sizes))))
+    return MemoryCounts(fp32(momentum_buffer=sum(map(sum, ctx.sizes))))
 
 
 SPEC = registry.register(

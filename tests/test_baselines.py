@@ -228,7 +228,7 @@ def test_bad_baseline_settings_are_one_sentence(tmp_path, cache_dir, knobs, mess
 
 def test_plan_counts_the_baselines():
     from zoa_train.optim.lr_schedules import LRSchedule
-    from zoa_train.optim.plan import plan
+    from zoa_train.plan.model import plan
 
     shapes = tuple(tuple(p.shape) for p in tiny_gpt2().parameters())
     n = sum(math.prod(s) for s in shapes)
@@ -247,7 +247,7 @@ def test_plan_counts_the_baselines():
 def test_plan_counts_a_compressed_outer_sync():
     from zoa_train.comm.topk import topk_wire
     from zoa_train.optim.lr_schedules import LRSchedule
-    from zoa_train.optim.plan import Cluster, flat_onebit_cost, plan
+    from zoa_train.plan.model import Cluster, flat_onebit_cost, plan
 
     shapes = tuple(tuple(p.shape) for p in tiny_gpt2().parameters())
     n = sum(math.prod(s) for s in shapes)

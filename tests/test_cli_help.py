@@ -79,7 +79,8 @@ def test_tables_are_printed_whole_where_stdout_is_not_a_terminal(monkeypatch):
 
     from zoa_train import console
     from zoa_train.optim import LRSchedule
-    from zoa_train.optim.plan import format_plan, plan
+    from zoa_train.plan.model import plan
+    from zoa_train.plan.table import format_plan
 
     monkeypatch.delenv("COLUMNS", raising=False)
     printed = io.StringIO()

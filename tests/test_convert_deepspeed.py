@@ -16,8 +16,8 @@ from zoa_train.config import load_recipe
 from zoa_train.convert_deepspeed import convert, write_recipe
 from zoa_train.errors import UserError
 from zoa_train.optim import DataParallelAdam, OneBitAdam, ZeroOneAdam, registry
-from zoa_train.optim.plan import plan
-from zoa_train.planning import parameter_shapes
+from zoa_train.plan.model import plan
+from zoa_train.plan.recipe import parameter_shapes
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "deepspeed"

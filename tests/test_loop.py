@@ -15,7 +15,7 @@ from zoa_train.config import recipe_from_dict
 from zoa_train.errors import UserError
 from zoa_train.optim import registry
 from zoa_train.optim.lr_schedules import LRSchedule
-from zoa_train.optim.plan import plan
+from zoa_train.plan.model import plan
 from zoa_train.train.metrics import LogWindow
 
 RULES = [

@@ -25,7 +25,7 @@ from zoa_train.config import recipe_from_dict
 from zoa_train.errors import UserError
 from zoa_train.models import ModelInputs, create
 from zoa_train.models import registry as models
-from zoa_train.planning import count_parameters
+from zoa_train.plan.recipe import count_parameters
 
 SENTENCE = "It is a truth universally acknowledged, that a single man in possession of a good fortune must be in want of a wife."
 TEXT = "\n".join([SENTENCE, "She was the youngest of the two daughters of a most affectionate, indulgent father."] * 3) + "\n"

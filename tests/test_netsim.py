@@ -134,7 +134,7 @@ def test_step_seconds_by_kind_are_recovered_from_the_windows():
 def test_plan_inputs_give_back_the_step_kinds_they_were_measured_from():
     """Compute from 0/1 Adam's local step; encoding and reduction rates from 1-bit Adam's 1-bit and
     full-precision steps: priced by plan with those rates, the two steps come out as measured."""
-    from zoa_train.optim.plan import Cluster, allreduce_cost, flat_onebit_cost
+    from zoa_train.plan.model import Cluster, allreduce_cost, flat_onebit_cost
 
     numel, compute = 1_000_000, 0.15
     result = {"nodes": 2, "ranks_per_node": 2, "bandwidth_bits_per_s": 10**8, "latency_s": 0.0, "intra_bandwidth": None}

@@ -1,4 +1,4 @@
-"""zoa_train.optim.plan: the counts of the authors' BERT-Large run, exact bytes and times on small
+"""zoa_train.plan.model: the counts of the authors' BERT-Large run, exact bytes and times on small
 cases, the unit parsers, and agreement with what ZeroOneAdam actually decides step by step."""
 
 import io
@@ -16,8 +16,10 @@ from zoa_train.comm import ring_allreduce_bytes
 from zoa_train.config import load_recipe
 from zoa_train.errors import UserError
 from zoa_train.optim import LRSchedule, ZeroOneAdam
-from zoa_train.optim.plan import Cluster, StepCosts, ddp_exposed_time, flat_onebit_cost, format_plan, onebit_call_bytes, parse_bandwidth, parse_latency, plan
 from zoa_train.optim.registry import zero_one_step_kinds
+from zoa_train.plan.model import Cluster, StepCosts, ddp_exposed_time, flat_onebit_cost, onebit_call_bytes, plan
+from zoa_train.plan.table import format_plan
+from zoa_train.plan.units import parse_bandwidth, parse_latency
 from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
 
 # The authors' BERT-Large seq-128 recipe (paper, section 5; recipes/bert_large.yaml).

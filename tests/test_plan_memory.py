@@ -19,8 +19,10 @@ from zoa_train.comm.sharding import local_shard
 from zoa_train.errors import UserError
 from zoa_train.optim import LRSchedule, registry
 from zoa_train.optim.base import DataParallelOptimizer
-from zoa_train.optim.plan import format_plan, largest_fsdp_unit, memory_per_rank, parse_memory, plan
 from zoa_train.optim.training import parameter_groups
+from zoa_train.plan.model import largest_fsdp_unit, memory_per_rank, plan
+from zoa_train.plan.table import format_plan
+from zoa_train.plan.units import parse_memory
 
 # GPT-2 of 2 layers, width 32, 64 tokens, 16 positions (lm_head tied to wte).
 CONFIG = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -295,7 +297,7 @@ def test_sharded_ranks_hold_what_plan_says():
 def test_plan_counts_the_recipe_s_checkpointing_and_names_the_mode_that_fits():
     """The memory of one rank with each mode's activations; fits_with the mode that recomputes least among those that fit."""
     from zoa_train.optim.lr_schedules import LRSchedule
-    from zoa_train.optim.plan import plan
+    from zoa_train.plan.model import plan
 
     activations = {"none": 9 * 10**9, "selective": 5 * 10**9, "full": 10**9}
     common = dict(bandwidth_bytes_per_s=1e9, latency_s=0.0, activations=activations)

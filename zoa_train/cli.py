@@ -185,7 +185,7 @@ def plan_command(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object keyed by optimizer name.")] = False,
 ) -> None:
     """Communication and memory per rank of every optimizer (Adam, 1-bit Adam, 0/1 Adam, ...) over a whole recipe on N nodes of G ranks, without training; with --step-time, predicted step time, time to train and speed-ups."""
-    from zoa_train.planning import plan_recipe
+    from zoa_train.plan.recipe import plan_recipe
 
     plan_recipe(
         recipe,

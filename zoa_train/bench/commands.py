@@ -70,7 +70,7 @@ def _print_comm_tables(rows: list[dict], nproc: int, ranks_per_node: int) -> Non
     from rich.table import Table
 
     from zoa_train.bench.comm import FEEDBACK_CALLS
-    from zoa_train.optim.plan import format_bytes
+    from zoa_train.plan.units import format_bytes
 
     table = Table(title=f"fp32 allreduce vs 1-bit allreduce, {nproc} ranks")
     kernels = rows[0]["kernels"] if rows else "?"
@@ -109,7 +109,7 @@ def check_bench_comm_machine(backend: str, local_ranks: int, numel: int) -> None
     import torch
 
     from zoa_train.bench.limits import available_memory
-    from zoa_train.optim.plan import format_bytes
+    from zoa_train.plan.units import format_bytes
 
     gpus = torch.cuda.device_count()
     nccl = (backend or ("nccl" if gpus else "gloo")) == "nccl"
@@ -148,7 +148,7 @@ def bench_netsim(
     """The exit code: 0, or 1 where a rank failed (said in one sentence)."""
     from zoa_train.bench.netsim import RankFailed, format_netsim, parse_optimizers, run_netsim
     from zoa_train.config import load_recipe
-    from zoa_train.planning import count_parameters
+    from zoa_train.plan.recipe import count_parameters
 
     world = check_netsim_options(ranks, nodes, ranks_per_node, shard, steps, margin, target_loss)
     overrides = [*overrides, *([f"train.steps={steps}"] if steps else [])]
@@ -245,7 +245,7 @@ def bench_optim(params_millions: float, repeats: int, threads: int, device: str,
 def bench_loader(recipe: Path, overrides: list[str], batches: int, step_time: str, as_json: bool) -> None:
     from zoa_train.bench.loader import run_loader_bench
     from zoa_train.config import load_recipe
-    from zoa_train.optim.plan import parse_latency
+    from zoa_train.plan.units import parse_latency
 
     check_count("--batches", batches)
     step_s = None

@@ -29,7 +29,7 @@ def check_count(option: str, value: int, low: int = 1, high: int = MAX_REPEATS) 
 def check_fits(what: str, need: float, remedy: str, room: int | None = None, where: str = "of memory available on this machine") -> None:
     """Refuse `what` (a plural subject that "needs about N") if it needs more than `room` bytes (default:
     the memory available)."""
-    from zoa_train.optim.plan import format_bytes
+    from zoa_train.plan.units import format_bytes
 
     room = available_memory() if room is None else room
     if need > room:

@@ -21,7 +21,7 @@ from zoa_train.tasks import build_task
 def run_loader_bench(recipe: Recipe, batches: int = 20, step_time_s: float | None = None) -> dict:
     from zoa_train.bench.limits import check_fits
     from zoa_train.distributed import threads_per_rank
-    from zoa_train.optim.plan import format_bytes
+    from zoa_train.plan.units import format_bytes
 
     t = recipe.train
     world = t.nproc

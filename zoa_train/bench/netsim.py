@@ -42,7 +42,9 @@ from zoa_train.comm import registry as collectives
 from zoa_train.errors import UserError
 from zoa_train.files import dumps_json, make_directory
 from zoa_train.optim import registry
-from zoa_train.optim.plan import Cluster, allreduce_cost, flat_onebit_cost, format_bytes, optimizer_table, parse_bandwidth, parse_latency
+from zoa_train.plan.model import Cluster, allreduce_cost, flat_onebit_cost
+from zoa_train.plan.table import optimizer_table
+from zoa_train.plan.units import format_bytes, parse_bandwidth, parse_latency
 from zoa_train.runs import RunLog, first_reaching, mean_step_seconds, read_run, step_seconds_by_kind
 from zoa_train.step_kinds import FULL, LOCAL, ONEBIT
 

@@ -1,5 +1,5 @@
 """The cost model's pieces that every collective prices its calls with (docs/algorithm.md, "Counting";
-zoa_train/optim/plan.py puts them together into a run's plan).
+zoa_train/plan/model.py puts them together into a run's plan).
 
 A `Cluster` is N nodes of G ranks: each node's link to the others carries `bandwidth` bytes/s each
 way and costs `latency` per message; inside a node the ranks share `intra_bandwidth`. A collective's

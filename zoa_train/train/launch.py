@@ -82,7 +82,7 @@ def say_run_summary(run_dir: str, config, as_json: bool) -> None:
     """What a finished run did and where its files are, then the commands a user runs next (`--json`: the
     record alone, one JSON object)."""
     from zoa_train.models import registry as models
-    from zoa_train.optim.plan import format_bytes
+    from zoa_train.plan.units import format_bytes
     from zoa_train.runs import run_summary
     from zoa_train.train.metrics import clock
 

@@ -35,6 +35,7 @@ from zoa_train.errors import UserError
 from zoa_train.models import registry as models
 from zoa_train.models.blocks import check_compiler, prepare_blocks
 from zoa_train.optim import registry
+from zoa_train.plan.counts import PlanContext
 from zoa_train.precision import autocast
 from zoa_train.tasks import build_task
 from zoa_train.train import resume_rules
@@ -275,7 +276,7 @@ class Trainer:
         under a schedule that never lets it take a local step."""
         spec, o = registry.get(recipe.optimizer.name), recipe.optimizer
         shapes = tuple(tuple(p.shape) for p in self.model.parameters())
-        context = registry.PlanContext(recipe.train.steps, recipe.lr_schedule(), self.world, 1, 32, o.betas, spec.knobs_from(o), shapes)
+        context = PlanContext(recipe.train.steps, recipe.lr_schedule(), self.world, 1, 32, o.betas, spec.knobs_from(o), shapes)
         warning = spec.plan(context).warning
         if warning and self.is_main:
             log.warning(warning)

@@ -1,4 +1,4 @@
-"""`zoa-train plan` on a recipe: what the cost and memory model (zoa_train/optim/plan.py) needs of it
+"""`zoa-train plan` on a recipe: what the cost and memory model (zoa_train/plan/model.py) needs of it
 (its model's parameter shapes and activations, its optimizer knobs, schedule and batch layout), and
 the plan printed. Also the parameter count that `bench netsim` and the tests read."""
 
@@ -33,7 +33,9 @@ def plan_recipe(
     from zoa_train.config import load_recipe
     from zoa_train.files import dumps_json
     from zoa_train.optim import registry
-    from zoa_train.optim.plan import format_plan, parse_bandwidth, parse_latency, parse_memory, plan
+    from zoa_train.plan.model import plan
+    from zoa_train.plan.table import format_plan
+    from zoa_train.plan.units import parse_bandwidth, parse_latency, parse_memory
 
     config = load_recipe(recipe, overrides)
     check_plan_options(nodes, gpus_per_node, world_size, backward_fraction, compress_rate, reduce_rate, fsdp_rate, params)
@@ -94,7 +96,8 @@ def check_plan_options(nodes, gpus_per_node, world_size, backward_fraction, comp
 def step_costs(config, ranks: int, step_time: str, backward_fraction: float, compress_rate: float, reduce_rate: float, fsdp_rate: float):
     """What a step costs besides its transfers (StepCosts), for predicted step times; a rate of 0 is not limiting."""
     from zoa_train.comm.buckets import BUCKET_CAP_MB
-    from zoa_train.optim.plan import StepCosts, parse_latency
+    from zoa_train.plan.model import StepCosts
+    from zoa_train.plan.units import parse_latency
 
     c = config.comm
     overlap_bucket = int((c.bucket_cap_mb or BUCKET_CAP_MB) * 2**20)

@@ -71,15 +71,14 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from rich.table import Table
-
 from zoa_train.comm import registry as collectives
 from zoa_train.comm.costs import CallCost, Cluster, allgather_cost, allreduce_cost, node_share  # noqa: F401 -- the cost model, importable from here too
 from zoa_train.comm.onebit import flat_onebit_cost, onebit_call_bytes  # noqa: F401 -- the cost model, importable from here too
 from zoa_train.errors import UserError
 from zoa_train.optim import registry
 from zoa_train.optim.lr_schedules import LRSchedule
-from zoa_train.optim.registry import MemoryContext, MemoryCounts, OptimizerSpec, PlanContext, PlanCounts, collective_memory
+from zoa_train.optim.registry import OptimizerSpec
+from zoa_train.plan.counts import MemoryContext, MemoryCounts, PlanContext, PlanCounts, collective_memory
 
 ALLREDUCE_BITS = (16, 32)
 BACKENDS = ("nccl", "gloo")
@@ -435,7 +434,7 @@ def memory_per_rank(
     return record
 
 
-def _variants(record: dict):
+def variants(record: dict):
     """(topology, record) of an optimizer's plan: flat, then the other collectives and sharded where planned."""
     base = collectives.default().name
     yield base, record
@@ -449,210 +448,15 @@ def _add_speedups(result: dict[str, dict]) -> None:
     optimizers' against 1-bit Adam's of the same topology."""
     adam, onebit = result.get(registry.BASELINE), result.get(ONEBIT_BASELINE)
     for name, record in result.items():
-        for key, variant in _variants(record):
+        for key, variant in variants(record):
             if not variant["total_time_s"]:
                 continue
             if adam:
-                variant["speedup_vs_adam"] = dict(_variants(adam)).get(key, adam)["total_time_s"] / variant["total_time_s"]
+                variant["speedup_vs_adam"] = dict(variants(adam)).get(key, adam)["total_time_s"] / variant["total_time_s"]
             if onebit and registry.get(name).uses_collective:
-                variant["speedup_vs_onebit_adam"] = dict(_variants(onebit))[key]["total_time_s"] / variant["total_time_s"]
+                variant["speedup_vs_onebit_adam"] = dict(variants(onebit))[key]["total_time_s"] / variant["total_time_s"]
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise UserError(message)
-
-
-_QUANTITY = re.compile(r"^\s*((?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?)\s*([^\s/]*)\s*(/s)?\s*$")
-# Decimal units, as network bandwidth is quoted; "bit" units are divided by 8.
-_BANDWIDTH_UNITS = {
-    "": 1.0, "B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12,
-    "bit": 1 / 8, "Kbit": 1e3 / 8, "Mbit": 1e6 / 8, "Gbit": 1e9 / 8, "Tbit": 1e12 / 8,
-}  # fmt: skip
-_LATENCY_UNITS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
-
-
-def parse_bandwidth(text: str | float) -> float:
-    """Bandwidth per rank in bytes/s from e.g. "10Gbit", "100 Mbit/s", "1.25GB/s" or "5e8" (bytes/s).
-
-    Units are decimal and case-sensitive in B vs bit ("Gb" is refused as ambiguous)."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, scale = float(text), 1.0
-    else:
-        match = _QUANTITY.match(str(text))
-        unit = match.group(2) if match else None
-        if unit is not None and unit.lower().endswith("bit"):
-            unit = {u.lower(): u for u in _BANDWIDTH_UNITS}.get(unit.lower(), unit)
-        if match is None or unit not in _BANDWIDTH_UNITS:
-            raise UserError(
-                f"bandwidth {text!r} is not understood: expected a positive number with an optional unit "
-                "Tbit, Gbit, Mbit, TB, GB or MB (optionally followed by /s), e.g. 10Gbit or 1.25GB/s, plain numbers being bytes/s."
-            )
-        value, scale = float(match.group(1)), _BANDWIDTH_UNITS[unit]
-    if not (value > 0 and math.isfinite(value)):
-        raise UserError(f"bandwidth {text!r} must be a positive finite amount, e.g. 10Gbit.")
-    return value * scale
-
-
-def parse_latency(text: str | float) -> float:
-    """Per-message latency in seconds from e.g. "20us", "5 ms", "800ns", "0.001s" or "0.001" (seconds)."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, scale = float(text), 1.0
-    else:
-        match = _QUANTITY.match(str(text))
-        if match is None or match.group(3) or match.group(2) not in _LATENCY_UNITS:
-            raise UserError(
-                f"latency {text!r} is not understood: expected a non-negative number with a unit ns, us, ms or s, e.g. 20us, plain numbers being seconds."
-            )
-        value, scale = float(match.group(1)), _LATENCY_UNITS[match.group(2)]
-    if not (value >= 0 and math.isfinite(value)):
-        raise UserError(f"latency {text!r} must be a non-negative finite time, e.g. 20us.")
-    return value * scale
-
-
-_MEMORY_UNITS = {"": 1, "B": 1, "kB": 1e3, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
-
-
-def parse_memory(text: str | float) -> float:
-    """Bytes of memory from e.g. "80GB", "141 GB", "80GiB" or "8e10" (bytes); GB is 1e9 bytes, GiB 2^30."""
-    match = _QUANTITY.match(str(text))
-    if match is None or match.group(3) or match.group(2) not in _MEMORY_UNITS:
-        raise UserError(
-            f"GPU memory {text!r} is not understood: expected a positive amount with a unit GB, GiB, TB or MB, e.g. 80GB, plain numbers being bytes."
-        )
-    value = float(match.group(1)) * _MEMORY_UNITS[match.group(2)]
-    if not (value > 0 and math.isfinite(value)):
-        raise UserError(f"GPU memory {text!r} must be a positive finite amount, e.g. 80GB.")
-    return value
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def _seconds(s: float) -> str:
-    if s >= 3600:
-        return f"{s / 3600:.2f} h"
-    if s >= 60:
-        return f"{s / 60:.1f} min"
-    if s >= 1 or s == 0:
-        return f"{s:.2f} s"
-    return f"{s * 1e3:.3f} ms"
-
-
-def _ratio(value: float, base: float) -> str:
-    return f"{value / base:.3f}x" if base else "-"
-
-
-def format_plan(result: dict[str, dict]) -> Table:
-    """The optimizers side by side (the 1-bit ones flat and node-aware, and each shardable one sharded,
-    where a plan has them), with ratios against Adam (HSDP for the sharded columns) and, given a step
-    time, predicted times and speed-ups, for the CLI to print."""
-    names = [name for name in registry.names() if name in result]
-    title = f"Communication plan, {result[names[0]]['steps']:,} steps"
-    notes = [spec.plan_note(result[spec.name]) for spec in map(registry.get, names) if spec.plan_note is not None]
-    adam = result.get(registry.BASELINE)
-    several = any(len(list(_variants(result[name]))) > 1 for name in names)
-    labels = {c.name: c.title for c in collectives.specs()} | {"sharded": "sharded"}
-    labels[collectives.default().name] = labels[collectives.default().name] if several else ""  # alone, the column needs no name
-    columns, sharded = [], set()
-    for name in names:
-        for key, record in _variants(result[name]):
-            columns.append((name, record, labels[key]))
-        if "sharded" in result[name]:
-            sharded.add(id(result[name]["sharded"]))
-    base = lambda r: adam["sharded"] if id(r) in sharded else adam  # noqa: E731
-    rows = [
-        ("|T_v| (variance updates)", lambda r: f"{r['variance_updates']:,}"),
-        ("rounds", lambda r: f"{r['rounds']:,}"),
-        ("syncs", lambda r: f"{r['syncs']:,}"),
-        ("bits / param / step", lambda r: f"{r['bits_per_param']:.3f}"),
-        ("bytes / rank", lambda r: format_bytes(r["bytes_per_rank"])),
-    ]
-    if several:
-        rows.append(("bytes over each node's link", lambda r: format_bytes(r["inter_bytes_per_node"])))
-        rows.append(("bytes / rank inside the node", lambda r: format_bytes(r["intra_bytes_per_rank"])))
-    rows.append(("predicted comm time", lambda r: _seconds(r["comm_time_s"])))
-    if adam:
-        rows += [
-            ("rounds vs Adam", lambda r: _ratio(r["rounds"], base(r)["rounds"])),
-            ("bits vs Adam", lambda r: _ratio(r["bits_per_param"], base(r)["bits_per_param"])),
-            ("bytes vs Adam", lambda r: _ratio(r["bytes_per_rank"], base(r)["bytes_per_rank"])),
-            ("comm time vs Adam", lambda r: _ratio(r["comm_time_s"], base(r)["comm_time_s"])),
-        ]
-    if "step_time_s" in result[names[0]]:
-        rows += [
-            ("predicted step time", lambda r: _seconds(r["step_time_s"])),
-            ("predicted time to train", lambda r: _seconds(r["total_time_s"])),
-            ("speed-up vs Adam", lambda r: f"{r['speedup_vs_adam']:.2f}x" if r.get("speedup_vs_adam") else "-"),
-            ("speed-up vs 1-bit Adam", lambda r: f"{r['speedup_vs_onebit_adam']:.2f}x" if r.get("speedup_vs_onebit_adam") else "-"),
-        ]
-    if sharded:
-        notes.append("sharded: FSDP2 over each node's ranks, each rank exchanging its shard between nodes, compared with Adam sharded (HSDP)")
-    memory_rows, memory_notes = _memory_rows(columns)
-    caption = "; ".join(notes + memory_notes) or None
-    return optimizer_table(title, caption, columns, rows + memory_rows)
-
-
-def _memory_rows(columns: list[tuple]) -> tuple[list[tuple[str, Callable[[dict], str]]], list[str]]:
-    """The rows of memory per rank (each column's: sharded in the sharded ones) and the notes they
-    need, for format_plan's columns."""
-    planned = [record["memory_per_rank"] for _, record, _ in columns if record.get("memory_per_rank")]
-    if not planned:
-        return [], []
-    notes = []
-    unplanned = dict.fromkeys(registry.get(name).title for name, record, _ in columns if not record.get("memory_per_rank"))
-    if unplanned:
-        notes.append(f"memory not planned for {', '.join(unplanned)}")
-
-    def cell(figure):
-        return lambda r: figure(r["memory_per_rank"]) if r.get("memory_per_rank") else "-"
-
-    rows = [
-        ("params + grads / rank", cell(lambda m: format_bytes(m["params"] + m["grads"]))),
-        ("optimizer state / rank", cell(lambda m: format_bytes(m["optimizer_state"]))),
-        ("comm scratch / rank", cell(lambda m: format_bytes(m["scratch"]))),
-    ]
-    units = [m for m in planned if "fsdp_unit" in m]
-    if units:
-        rows.append(("FSDP2 unit unsharded", cell(lambda m: format_bytes(m["fsdp_unit"]) if "fsdp_unit" in m else "-")))
-        notes.append(
-            f"FSDP2's largest unit {units[0]['fsdp_unit_is']}: {units[0]['fsdp_unit_params'] / 1e6:,.1f}M params, their fp32 params and grads unsharded at once"
-        )
-    counted = "activations" in planned[0]
-    if counted:
-        rows += [
-            (f"activations ({mode})", cell(lambda m, mode=mode: format_bytes(m["activations_by_mode"][mode]))) for mode in planned[0]["activations_by_mode"]
-        ]
-    rows.append(("memory / rank", cell(lambda m: format_bytes(m["total"]))))
-    if "fits" in planned[0]:
-        size = format_bytes(planned[0]["total"] + planned[0]["headroom"])
-        rows.append(
-            (f"fits in {size}", cell(lambda m: f"yes, {format_bytes(m['headroom'])} left" if m["fits"] else f"no, {format_bytes(-m['headroom'])} over"))
-        )
-        if counted:
-            rows.append(("fits with checkpointing", cell(lambda m: m["fits_with"] or "no mode")))
-    if counted:
-        notes.append(
-            "memory / rank: fp32 params, grads, optimizer state, comm scratch and the activations of one micro-batch under the recipe's "
-            "train.activation_checkpointing (each mode's in its row)"
-        )
-    else:
-        notes.append("memory / rank: fp32 params, grads, optimizer state and comm scratch, activations not counted")
-    return rows, notes
-
-
-def optimizer_table(title: str, caption: str | None, columns: list[tuple], lines: list[tuple[str, Callable[[dict], str]]]) -> Table:
-    """Optimizers side by side: one column per (optimizer name, its record[, its sync topology]), one
-    row per (label, cell formatter)."""
-    table = Table(title=title, caption=caption)
-    table.add_column("")
-    for name, _, *topology in columns:
-        variant = f" ({topology[0]})" if topology and topology[0] else ""
-        table.add_column(registry.get(name).title + variant, justify="right")
-    for label, cell in lines:
-        table.add_row(label, *(cell(record) for _, record, *_ in columns))
-    return table
