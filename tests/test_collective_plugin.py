@@ -2,8 +2,8 @@
 no edit under zoa_train/) is chosen by comm.topology, planned by `plan`, timed by `bench comm` and
 trained with by `run`.
 
-The plugin is only imported by those commands and by the bench's ranks (a recipe's `imports`, bench
-comm's `imports`), never into this process, so the other tests see the built-in collectives alone.
+The plugin is only imported by those commands (a recipe's `imports`, bench comm's `--imports`), never
+into this process, so the other tests see the built-in collectives alone.
 """
 
 import json
@@ -12,9 +12,7 @@ import conftest
 import pytest
 from conftest import env_with_tests_on_path, refused
 
-from zoa_train.bench.comm import rank_main
 from zoa_train.comm import registry as collectives
-from zoa_train.distributed import launch_local
 
 PLUGIN = ["--set", "imports=[collective_plugin]", "--set", "comm.topology=fine_rows"]
 
@@ -45,8 +43,9 @@ def test_an_unknown_collective_is_refused_with_the_registered_names():
 
 
 def test_bench_comm_times_a_plugin_collective():
-    rows = launch_local(rank_main, 2, [5000], 1, "gloo", 0, ("collective_plugin",))[0]
-    (row,) = rows
+    done = zoa("bench", "comm", "--imports", "collective_plugin", "--sizes", "5000", "--repeats", "1", "--backend", "gloo", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(done.stdout)["results"]
     timed = row["collectives"]["fine_rows"]
     assert timed["seconds"] > 0 and timed["bits_per_element"] == 1
     assert row["onebit_bytes_per_rank"] < timed["bytes_per_rank"]  # more row scales than flat's

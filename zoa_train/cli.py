@@ -332,6 +332,12 @@ def bench_comm(
             show_default=False,
         ),
     ] = 0,
+    imports: Annotated[
+        list[str],
+        typer.Option(
+            "--imports", help="A module to import first, as a recipe's imports: the collectives it registers are timed too (repeatable).", show_default=False
+        ),
+    ] = [],
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object instead of a table.")] = False,
 ) -> None:
     """Time torch.distributed.all_reduce (fp32) against OneBitAllReduce on the same tensors.
@@ -339,7 +345,7 @@ def bench_comm(
     Started by torchrun or srun, it runs as one of their ranks (--nproc is then theirs) and rank 0 prints; bench netsim uses this to put the ranks on emulated network links."""
     from zoa_train.bench.commands import bench_comm as run_bench
 
-    run_bench(sizes, nproc, backend, repeats, ranks_per_node, as_json)
+    run_bench(sizes, nproc, backend, repeats, ranks_per_node, as_json, tuple(imports))
 
 
 @bench_app.command("netsim")

@@ -34,10 +34,12 @@ def bench_ops(nproc: int, calls: int, block_size: int, per_group: bool, scale: i
     print(dumps_json(launch_local(profile_rank, nproc, groups, calls, block_size or None, per_group, None)[0], indent=2))
 
 
-def bench_comm(sizes: str, nproc: int, backend: str, repeats: int, ranks_per_node: int, as_json: bool) -> None:
-    """Here: start `nproc` ranks; under torchrun or srun: one of their ranks (rank 0 prints)."""
+def bench_comm(sizes: str, nproc: int, backend: str, repeats: int, ranks_per_node: int, as_json: bool, imports: tuple[str, ...] = ()) -> None:
+    """Here: start `nproc` ranks; under torchrun or srun: one of their ranks (rank 0 prints). `imports`:
+    modules that register collectives, imported here (refused in one sentence) and by every rank."""
     from zoa_train.bench.comm import parse_size, rank_main
     from zoa_train.distributed import cluster_environment, launch_local
+    from zoa_train.optim.registry import import_modules
 
     try:
         numels = [parse_size(s) for s in sizes.split(",") if s.strip()]
@@ -52,10 +54,11 @@ def bench_comm(sizes: str, nproc: int, backend: str, repeats: int, ranks_per_nod
         raise UserError(f"--ranks-per-node must divide the {world} ranks into two or more nodes, not {ranks_per_node}.")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if cluster_environment() is not None else nproc
     check_bench_comm_machine(backend, local, max(numels, default=0))
+    import_modules(imports, "--imports")
     if cluster_environment() is None:
-        rows = launch_local(rank_main, nproc, numels, repeats, backend or None, ranks_per_node)[0]
+        rows = launch_local(rank_main, nproc, numels, repeats, backend or None, ranks_per_node, imports)[0]
     else:
-        rows = rank_main(numels, repeats, backend or None, ranks_per_node)
+        rows = rank_main(numels, repeats, backend or None, ranks_per_node, imports)
         if rows is None:  # not rank 0
             return
         nproc = world
@@ -102,6 +105,17 @@ def _print_comm_tables(rows: list[dict], nproc: int, ranks_per_node: int) -> Non
                           format_bytes(r["onebit_inter_bytes_per_rank"]), format_bytes(r["node_aware_inter_bytes_per_rank"]),
                           format_bytes(r["node_aware_intra_bytes_per_rank"]))  # fmt: skip
         console.out.print(nodes)
+    timed = [name for name in rows[0].get("collectives", {})] if rows else []
+    if timed:  # the other registered collectives (--imports)
+        others = Table(title=f"other registered collectives, {nproc} ranks: time and bytes per rank per call")
+        for name in ("elements", "collective", "s", "vs fp32", "bytes", "bits/element"):
+            others.add_column(name, justify="right")
+        for r in rows:
+            for name, c in r["collectives"].items():
+                others.add_row(
+                    f"{r['numel']:,}", name, f"{c['seconds']:.4f}", f"{c['vs_fp32']:.2f}x", format_bytes(c["bytes_per_rank"]), f"{c['bits_per_element']:.3f}"
+                )
+        console.out.print(others)
 
 
 def check_bench_comm_machine(backend: str, local_ranks: int, numel: int) -> None:
