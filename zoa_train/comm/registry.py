@@ -27,7 +27,7 @@ from zoa_train.comm.hierarchical import HierarchicalOneBitAllReduce, hierarchica
 from zoa_train.comm.onebit import OneBitAllReduce, flat_onebit_cost, onebit_buffers
 from zoa_train.comm.protocol import CollectiveFactory
 from zoa_train.comm.topology import NodeGroups
-from zoa_train.errors import UserError
+from zoa_train.registry import Registry
 
 AUTO = "auto"  # comm.topology auto: node-aware on several even nodes of several ranks, flat otherwise (topology.choose)
 
@@ -68,30 +68,20 @@ class CollectiveSpec:
         return not self.node_aware or (nodes > 1 and ranks_per_node > 1)
 
 
-_COLLECTIVES: dict[str, CollectiveSpec] = {}
+_COLLECTIVES: Registry[CollectiveSpec] = Registry("collective")
+names, get = _COLLECTIVES.names, _COLLECTIVES.get
 
 
 def register(spec: CollectiveSpec) -> CollectiveSpec:
-    """Add `spec` (the same object twice is harmless); another under a name taken is refused."""
-    if spec.name == AUTO or _COLLECTIVES.get(spec.name, spec) is not spec:
-        raise ValueError(f"a collective named {spec.name!r} is registered already")
-    _COLLECTIVES[spec.name] = spec
-    return spec
-
-
-def names() -> tuple[str, ...]:
-    return tuple(_COLLECTIVES)
+    """Add `spec` (the same object twice is harmless); another under a name taken, or named auto, is refused."""
+    if spec.name == AUTO:
+        raise ValueError(f"a collective cannot be named {AUTO!r}: comm.topology auto chooses among the others")
+    return _COLLECTIVES.register(spec)
 
 
 def topologies() -> tuple[str, ...]:
     """What comm.topology takes: auto and every registered collective."""
-    return (AUTO, *_COLLECTIVES)
-
-
-def get(name: str) -> CollectiveSpec:
-    if name not in _COLLECTIVES:
-        raise UserError(f"unknown collective {name!r}; the registered ones are {', '.join(_COLLECTIVES)}.")
-    return _COLLECTIVES[name]
+    return (AUTO, *names())
 
 
 def specs() -> tuple[CollectiveSpec, ...]:
@@ -100,7 +90,7 @@ def specs() -> tuple[CollectiveSpec, ...]:
 
 def default() -> CollectiveSpec:
     """The first entry (flat): what `plan` prices every optimizer with, and one process's collective."""
-    return next(iter(_COLLECTIVES.values()))
+    return _COLLECTIVES.values()[0]
 
 
 def for_shards(topology: str) -> CollectiveSpec:
