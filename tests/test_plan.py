@@ -16,7 +16,7 @@ from zoa_train.comm import ring_allreduce_bytes
 from zoa_train.config import load_recipe
 from zoa_train.errors import UserError
 from zoa_train.optim import LRSchedule, ZeroOneAdam
-from zoa_train.optim.registry import zero_one_step_kinds
+from zoa_train.optim.builtin import zero_one_step_kinds
 from zoa_train.plan.model import Cluster, StepCosts, ddp_exposed_time, flat_onebit_cost, onebit_call_bytes, plan
 from zoa_train.plan.table import format_plan
 from zoa_train.plan.units import parse_bandwidth, parse_latency

@@ -12,7 +12,6 @@ from typing import Any
 import torch
 
 from zoa_train.comm.onebit import onebit_layout
-from zoa_train.optim.lr_schedules import LRSchedule
 
 
 @dataclass(frozen=True)
@@ -21,7 +20,7 @@ class PlanContext:
     `param_shapes`, the model's tensors' shapes where known (empty: not known)."""
 
     steps: int
-    lr_schedule: LRSchedule
+    lr_schedule: Any  # the recipe's LRSchedule (zoa_train/optim/lr_schedules.py; not imported: the optimizers import this module)
     world_size: int
     num_params: int
     allreduce_bits: int

@@ -1,6 +1,6 @@
 """The training loop: wires a task, an optimizer, a schedule, logging and checkpoints on one rank.
 
-Launch (see zoa_train/cli.py): `zoa-train run RECIPE` starts `train.nproc` local ranks itself;
+Launch (see zoa_train/train/launch.py): `zoa-train run RECIPE` starts `train.nproc` local ranks itself;
 under `torchrun --nproc-per-node N -m zoa_train.cli run RECIPE` or `srun zoa-train run RECIPE`
 each process is one rank and joins the group its launcher describes. Either way every rank
 prepares the run directory the same way (train/rundir.py).
