@@ -1,4 +1,6 @@
 """`zoa-train bench netsim`: train each optimizer on ranks joined by an emulated network, same recipe and seed.
+(Just over 600 lines: the namespaces, links and ranks it makes are torn down by the same command that
+made them, so their set-up, the runs and the summary stay together.)
 
 Topology (all of it private to this invocation, nothing is added to the root namespace):
 

@@ -1,4 +1,6 @@
 """The run directory: one object owns its layout, its preparation in every launch mode, and its checkpoints.
+(Over 600 lines, a tenth of them this description: the layout, the atomic writes and the integrity
+checks are one contract, kept in one place so that a reader checks it whole.)
 
 Layout (rank 0 writes everything except each rank's own checkpoint files):
   recipe.yaml            the resolved recipe (what the run trains with now)

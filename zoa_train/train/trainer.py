@@ -1,4 +1,6 @@
 """The training loop: wires a task, an optimizer, a schedule, logging and checkpoints on one rank.
+(Over 600 lines because it is one class, Trainer, whose build, step, save and load share its state;
+what can stand alone already does: resume_rules, checkpointer, rundir, metrics, blocks, monitor.)
 
 Launch (see zoa_train/train/launch.py): `zoa-train run RECIPE` starts `train.nproc` local ranks itself;
 under `torchrun --nproc-per-node N -m zoa_train.cli run RECIPE` or `srun zoa-train run RECIPE`
