@@ -66,6 +66,7 @@ where a GPU's memory is given. The CUDA context and the allocator's slack are no
 made and freed inside a step.
 """
 
+import functools
 import math
 import re
 from collections.abc import Callable, Mapping
@@ -193,6 +194,43 @@ def _summary(
     return summary
 
 
+def _overlapped_step(cost: Callable[[int], CallCost], num_params: int, costs: StepCosts | None) -> float | None:
+    """What an overlapped round adds to a step (None: the run does not overlap): its transfers as backward
+    leaves them exposed, and all of its work on the ranks, which competes with backward for them
+    (measured on CPUs, docs/results/overlap.md)."""
+    if costs is None or not costs.overlap:
+        return None
+    transfer = exposed_time(num_params, lambda elements: cost(elements).transfer_seconds, costs, costs.overlap_bucket_bytes)
+    return transfer + cost(num_params).work_seconds
+
+
+def _check_arguments(
+    steps, world_size, ranks_per_node, num_params, allreduce_bits, bandwidth_bytes_per_s, intra_bandwidth_bytes_per_s, latency_s, backend, costs,
+    gpu_memory_bytes, activations, checkpointing, knobs,
+) -> None:  # fmt: skip
+    """plan()'s arguments, each refused in one sentence before anything is computed."""
+    _check(steps >= 0, f"steps must be >= 0, got {steps}.")
+    _check(world_size >= 1, f"world size must be at least 1, got {world_size}.")
+    _check(ranks_per_node >= 1 and world_size % ranks_per_node == 0, f"ranks per node ({ranks_per_node}) must divide the world size ({world_size}).")
+    _check(num_params >= 1, f"the number of parameters must be at least 1, got {num_params}.")
+    _check(allreduce_bits in ALLREDUCE_BITS, f"allreduce bits must be 16 or 32, got {allreduce_bits}.")
+    _check(bandwidth_bytes_per_s > 0 and math.isfinite(bandwidth_bytes_per_s), f"bandwidth must be a positive number of bytes/s, got {bandwidth_bytes_per_s}.")
+    _check(intra_bandwidth_bytes_per_s > 0, f"intra-node bandwidth must be a positive number of bytes/s, got {intra_bandwidth_bytes_per_s}.")
+    _check(latency_s >= 0 and math.isfinite(latency_s), f"latency must be a non-negative number of seconds, got {latency_s}.")
+    _check(backend in BACKENDS, f"backend must be nccl or gloo, got {backend!r}.")
+    _check(gpu_memory_bytes is None or 0 < gpu_memory_bytes < math.inf, f"GPU memory must be a positive number of bytes, got {gpu_memory_bytes}.")
+    _check(activations is None or checkpointing in activations, f"checkpointing must be one of {', '.join(activations or ())}, got {checkpointing!r}.")
+    if costs is not None:
+        _check(costs.step_time > 0 and math.isfinite(costs.step_time), f"step time must be a positive number of seconds, got {costs.step_time}.")
+        _check(0 <= costs.backward_fraction <= 1, f"the backward fraction must be between 0 and 1, got {costs.backward_fraction}.")
+        _check(costs.compress_rate > 0, f"the compression rate must be a positive number of elements/s, got {costs.compress_rate}.")
+        _check(costs.reduce_rate > 0, f"the reduction rate must be a positive number of elements/s, got {costs.reduce_rate}.")
+        _check(costs.fsdp_rate > 0, f"the FSDP rate must be a positive number of elements/s, got {costs.fsdp_rate}.")
+    unknown = set(knobs) - {f.name for f in registry.knob_fields()}
+    _check(not unknown, f"no optimizer has the knob {', '.join(sorted(unknown))}.")
+    registry.check_section(knobs, "plan")  # each knob; each optimizer's rule is its plan's to apply
+
+
 def plan(
     steps: int,
     lr_schedule: LRSchedule,
@@ -237,26 +275,10 @@ def plan(
     FSDP2's units; with `gpu_memory_bytes` each memory record says whether it fits and the headroom
     left; with `activations` (bytes by train.activation_checkpointing mode) each adds those of
     `checkpointing`'s mode, and fits_with names the mode that recomputes least among those that fit."""
-    _check(steps >= 0, f"steps must be >= 0, got {steps}.")
-    _check(world_size >= 1, f"world size must be at least 1, got {world_size}.")
-    _check(ranks_per_node >= 1 and world_size % ranks_per_node == 0, f"ranks per node ({ranks_per_node}) must divide the world size ({world_size}).")
-    _check(num_params >= 1, f"the number of parameters must be at least 1, got {num_params}.")
-    _check(allreduce_bits in ALLREDUCE_BITS, f"allreduce bits must be 16 or 32, got {allreduce_bits}.")
-    _check(bandwidth_bytes_per_s > 0 and math.isfinite(bandwidth_bytes_per_s), f"bandwidth must be a positive number of bytes/s, got {bandwidth_bytes_per_s}.")
-    _check(intra_bandwidth_bytes_per_s > 0, f"intra-node bandwidth must be a positive number of bytes/s, got {intra_bandwidth_bytes_per_s}.")
-    _check(latency_s >= 0 and math.isfinite(latency_s), f"latency must be a non-negative number of seconds, got {latency_s}.")
-    _check(backend in BACKENDS, f"backend must be nccl or gloo, got {backend!r}.")
-    _check(gpu_memory_bytes is None or 0 < gpu_memory_bytes < math.inf, f"GPU memory must be a positive number of bytes, got {gpu_memory_bytes}.")
-    _check(activations is None or checkpointing in activations, f"checkpointing must be one of {', '.join(activations or ())}, got {checkpointing!r}.")
-    if costs is not None:
-        _check(costs.step_time > 0 and math.isfinite(costs.step_time), f"step time must be a positive number of seconds, got {costs.step_time}.")
-        _check(0 <= costs.backward_fraction <= 1, f"the backward fraction must be between 0 and 1, got {costs.backward_fraction}.")
-        _check(costs.compress_rate > 0, f"the compression rate must be a positive number of elements/s, got {costs.compress_rate}.")
-        _check(costs.reduce_rate > 0, f"the reduction rate must be a positive number of elements/s, got {costs.reduce_rate}.")
-        _check(costs.fsdp_rate > 0, f"the FSDP rate must be a positive number of elements/s, got {costs.fsdp_rate}.")
-    unknown = set(knobs) - {f.name for f in registry.knob_fields()}
-    _check(not unknown, f"no optimizer has the knob {', '.join(sorted(unknown))}.")
-    registry.check_section(knobs, "plan")  # each knob; each optimizer's rule is its plan's to apply
+    _check_arguments(
+        steps, world_size, ranks_per_node, num_params, allreduce_bits, bandwidth_bytes_per_s, intra_bandwidth_bytes_per_s, latency_s, backend, costs,
+        gpu_memory_bytes, activations, checkpointing, knobs,
+    )  # fmt: skip
 
     cluster = Cluster(world_size // ranks_per_node, ranks_per_node, bandwidth_bytes_per_s, latency_s, intra_bandwidth_bytes_per_s, backend)
     element = allreduce_bits // 8
@@ -313,14 +335,7 @@ def plan(
         record["memory_per_rank"] = memory_per_rank(spec, knobs, shards, nodes, shard_comm, unit, gpu_memory_bytes, activations, checkpointing)
         return record
 
-    def added(cost) -> float | None:
-        """What an overlapped round adds to a step: its transfers as backward leaves them exposed, and all
-        of its work on the ranks, which competes with backward for them (measured on CPUs, docs/results/overlap.md)."""
-        if costs is None or not costs.overlap:
-            return None
-        transfer = exposed_time(num_params, lambda elements: cost(elements).transfer_seconds, costs, costs.overlap_bucket_bytes)
-        return transfer + cost(num_params).work_seconds
-
+    overlapped = functools.partial(_overlapped_step, num_params=num_params, costs=costs)
     result = {}
     for name in registry.names():
         spec = registry.get(name)
@@ -340,10 +355,10 @@ def plan(
                 world_size=world_size,
                 compute_s=compute,
                 # What a full-precision step adds: all of it in step(), the exposed part of DDP's or an overlapped one.
-                fp_step_s=(fp.seconds if added(rounds[topology][0]) is None else added(rounds[topology][0]))
+                fp_step_s=(fp.seconds if overlapped(rounds[topology][0]) is None else overlapped(rounds[topology][0]))
                 if spec.uses_collective or costs is None
                 else ddp_exposed_time(num_params, element, cluster, costs),
-                onebit_step_s=added(rounds[topology][1]),
+                onebit_step_s=overlapped(rounds[topology][1]),
             )
             for topology, (fp, onebit) in (topologies.items() if spec.uses_collective else [(base.name, topologies[base.name])])
         }
