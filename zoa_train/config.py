@@ -110,12 +110,7 @@ def optimizer_section() -> type:
 
 def comm_section() -> type:
     """The comm section's dataclass for the collectives registered now (comm.topology: auto or one of them)."""
-    names = collectives.topologies()
-    if (CommConfig, names) not in _SECTION:
-        section = dataclasses.make_dataclass(CommConfig.__name__, [("topology", Literal[names], field(default="auto"))], bases=(CommConfig,))
-        section.__module__ = __name__
-        _SECTION[(CommConfig, names)] = section
-    return _SECTION[(CommConfig, names)]
+    return _made_section(CommConfig, "topology", collectives.topologies(), collectives.AUTO, [])
 
 
 def model_section() -> type:

@@ -67,7 +67,7 @@ class ClusterCollective:
         nodes = discover_nodes(self.ranks_per_node) if world > 1 else [[0]]
         spec = collectives.get(self.topology) if self.topology != collectives.AUTO else None
         # one process: nothing is sent either way, so the default (the first entry) serves
-        kind = choose(self.topology, nodes, spec.node_aware if spec else None) if world > 1 else collectives.names()[0]
+        kind = choose(self.topology, nodes, spec.node_aware if spec else None) if world > 1 else collectives.default().name
         spec = self.spec = collectives.get(kind)
         self.fell_back = self.topology == collectives.AUTO and not spec.node_aware and len({len(n) for n in nodes}) > 1
         self.chosen = f"{kind} 1-bit sync, {describe(nodes)}"
