@@ -11,6 +11,13 @@ Parameters sharded by FSDP2 (DTensors; zoa_train/comm/sharding.py) are taken as 
 shards: the state follows the shard, and the process group is the ranks that hold the same shard (one
 per node). Their gradients are FSDP2's, already averaged over the node. FSDP2 sets them after its
 reduce-scatter, not through autograd's accumulation, so rounds start in step(), never during backward.
+
+A delayed sync (`sync_delay` 1, ZeroOneAdam's): a sync step's 1-bit round runs on a thread of its own,
+over a duplicate of the process group, while the rank computes the next step's forward and backward
+from its own parameters; the next step() (or anything that needs the state: synchronize, a state dict,
+a full-precision average) waits for it, and the next step() applies it before anything else
+(docs/algorithm.md, "Delayed sync"). The round's records stay in its own step of the ledger, which is
+closed when it lands.
 """
 
 import contextlib
@@ -26,6 +33,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from zoa_train.comm import Collective, CollectiveFactory, CommLedger, allreduce, group_size_rank, onebit_layout, ring_allreduce_bytes
+from zoa_train.comm.buckets import CommThread, duplicate_group
 from zoa_train.comm.layout import OneBitLayout
 from zoa_train.comm.protocol import buckets_of
 from zoa_train.comm.sharding import local_shard
@@ -196,10 +204,21 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
 
     schedule = None  # an object with state_dict/load_state_dict (a subclass's), or None
 
-    def __init__(self, params, defaults: dict, process_group=None, allreduce_dtype: torch.dtype | None = None, collective: CollectiveFactory | None = None):
+    def __init__(
+        self,
+        params,
+        defaults: dict,
+        process_group=None,
+        allreduce_dtype: torch.dtype | None = None,
+        collective: CollectiveFactory | None = None,
+        sync_delay: int = 0,
+    ):
         self._constructed = False
         name = type(self).__name__
         check_hyperparameters(name, defaults["lr"], defaults["betas"], defaults["eps"], defaults["weight_decay"])
+        if sync_delay not in (0, 1) or isinstance(sync_delay, bool):
+            raise ValueError(f"{name}: sync_delay must be 0 (rounds land in their own step) or 1 (they land at the next step), not {sync_delay!r}")
+        self.sync_delay = sync_delay
         super().__init__(params, defaults)
         self.process_group = process_group
         self.allreduce_dtype = allreduce_dtype
@@ -240,9 +259,26 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         self._check_same_model()
         sizes = [[local_shard(p).numel() for p in group["params"]] for group in self.param_groups]
         self.collective: Collective | None = None
+        device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
+        # Delayed rounds run on a thread of their own, so their collective gets process groups of its own.
+        self._round_thread = None
+        round_group = self.process_group
+        if self.sync_delay and self.world_size > 1:
+            if self.shard_group is not None:
+                raise ValueError(f"{type(self).__name__}: sync_delay does not run with sharded parameters yet; use sync_delay 0")
+            round_group = duplicate_group(self.process_group)
+            self._round_thread = CommThread(device, self.ledger)
+            weakref.finalize(self, self._round_thread.close)
+        self._in_flight = False  # a delayed round runs; its step is still open in the ledger
+        self._landed = False  # a delayed round's result waits to be applied at the next step
+        self._held: StepRecord | None = None
         if self._collective_factory is not None:
-            device = next((p.device for group in self.param_groups for p in group["params"]), None)
-            self.collective = self._collective_factory(sizes, group=self.process_group, device=device, ledger=self.ledger)
+            self.collective = self._collective_factory(sizes, group=round_group, device=device, ledger=self.ledger)
+            if self.sync_delay and buckets_of(self.collective) is not None and self.collective.overlap:
+                raise ValueError(
+                    f"{type(self).__name__}: a delayed sync starts its rounds in step() and lets them run behind the next step; "
+                    "give it a collective that does not start rounds during backward (comm.overlap false)"
+                )
         layouts = self.collective.layouts if self.collective is not None else [onebit_layout(s, 1) for s in sizes]
         self._flat = [FlatGroup(group["params"], layout) for group, layout in zip(self.param_groups, layouts)]
         self._lay_out_spans()
@@ -286,7 +322,7 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
                     self._needed[span.index] += 1
         # Whether hooks start rounds during backward; an owner whose gradients change after backward
         # (clipping, loss-scale unscaling, a skipped step) turns it off.
-        self.overlap = bucketed and self.collective.overlap
+        self.overlap = bucketed and self.collective.overlap and not self.sync_delay
         if self.overlap:
             # The parameters hold their hooks from C++, where the garbage collector cannot see a cycle:
             # a hook holds the optimizer weakly, so that dropping it frees its buffers and process groups.
@@ -301,6 +337,7 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
             self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params if p.requires_grad]
         self._accumulating = False
         self._whole: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._deferred: list | None = None  # the bucketed exchanges of a delayed round, started on its thread
         self._reset_rounds()
 
     def keep_rounds_in_step(self, reason: str) -> None:
@@ -362,17 +399,61 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         `_start_allreduce`); in a hook (its gradients are final) or in step()."""
         raise NotImplementedError
 
-    def _run_rounds(self, plan) -> None:
-        """Start the rounds of this step that no hook has started, in order, and wait for all."""
+    def _run_rounds(self, plan, delayed: bool = False) -> None:
+        """Start the rounds of this step that no hook has started, in order, and wait for all; `delayed`:
+        run them on the delayed rounds' thread and return (they land at the next step, `_land`)."""
         if self._plan is not _UNDECIDED and self._plan is not None and self._plan != plan:
             raise RuntimeError(
                 f"{type(self).__name__}: the step changed between backward and step() (the lr or the schedule was changed after the "
                 "rounds had started); set the lr before backward, as lr schedulers do"
             )
+        if delayed:
+            self._deferred = []
         for span in self._spans[self._next_span :]:
             self._prepare(span, plan)
         self._next_span = len(self._spans)
-        self._wait_rounds()
+        if not delayed:
+            return self._wait_rounds()
+        deferred, self._deferred = self._deferred, None
+        whole, self._whole = self._whole, {}
+
+        def job() -> None:
+            for start in deferred:
+                start()
+            self._wait_rounds(whole)
+
+        self._in_flight = self._landed = True
+        if self._round_thread is None:  # one rank: nothing to hide, the same arithmetic
+            job()
+        else:
+            self._round_thread.submit(job)
+
+    def _wait_in_flight(self) -> None:
+        """Wait for a delayed round (not applying it) and close its step in the ledger: before anything
+        else uses the collective or the state is saved."""
+        if not self._in_flight:
+            return
+        self._in_flight = False
+        if self._round_thread is not None:
+            self._round_thread.wait()
+        comm = self.ledger.end_step()
+        self._held.bits_per_param, self._held.bytes_sent = comm.bits_per_param, comm.bytes_sent
+        self._held = None
+
+    def _land(self) -> None:
+        """Apply a delayed round's result (first thing in the step after it started, or in synchronize):
+        the subclass's `_apply_landed`, then the tensors averaged at syncs (outside any step: the round's
+        step is closed)."""
+        self._wait_in_flight()
+        if self._landed:
+            self._landed = False
+            with torch.no_grad():
+                self._apply_landed()
+            self._average_tensors(in_step=False)
+
+    def _apply_landed(self) -> None:
+        """Apply a delayed round's result (the subclasses that delay)."""
+        raise NotImplementedError
 
     def _start_gradient_average(self, span: Span) -> None:
         """Copy `span`'s gradients into its group's gradient buffer of this step (`self._grads`, zeros
@@ -396,10 +477,12 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
     def _start_exchange(self, span: Span, out: torch.Tensor, addend: torch.Tensor | None = None) -> None:
         """Start the 1-bit exchange of `span`: its accumulator (+ addend) averaged into `out` (both
         buffers of its group). Without buckets every group's exchange waits for one call over all."""
-        if self._bucketed:
-            self.collective.start_exchange(span.index, out, addend)
-        else:
+        if not self._bucketed:
             self._whole[span.group] = (out, addend)
+        elif self._deferred is not None:  # a delayed round: started on its thread
+            self._deferred.append(lambda: self.collective.start_exchange(span.index, out, addend))
+        else:
+            self.collective.start_exchange(span.index, out, addend)
 
     def _start_allreduce(self, span: Span, tensor: torch.Tensor) -> None:
         """Start the full-precision average of `span`'s slice of `tensor` (a buffer of its group), in place."""
@@ -408,14 +491,17 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         else:
             self._allreduce(self._flat[span.group], tensor)
 
-    def _wait_rounds(self) -> None:
+    def _wait_rounds(self, whole: dict | None = None) -> None:
+        """Wait for the started rounds; without buckets, run the one exchange of every group (`whole`:
+        what `_start_exchange` recorded, by default this step's)."""
+        if whole is None:
+            whole, self._whole = self._whole, {}
         if self._bucketed:
             self.collective.wait()
-        elif self._whole:
-            pairs = [self._whole[g] for g in range(len(self._flat))]
+        elif whole:
+            pairs = [whole[g] for g in range(len(self._flat))]
             addends = [a for _, a in pairs]
             self.collective.exchange([o for o, _ in pairs], addends if all(a is not None for a in addends) else None)
-            self._whole = {}
 
     def _allocate_state(self) -> None:
         """Fill `self._buffers` and `self._scalars` for the layout in `self._flat` (the parameters are rank 0's by now)."""
@@ -537,7 +623,8 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
 
     def _full_precision(self, tensor: torch.Tensor, comm_dtype: torch.dtype | None, in_step: bool, elements: int | None = None) -> torch.Tensor:
         """A full-precision average over the ranks: through the 1-bit collective's topology where
-        there is one (node-aware on several nodes), else a flat allreduce."""
+        there is one (node-aware on several nodes), else a flat allreduce; never beside a delayed round."""
+        self._wait_in_flight()
         if self.collective is not None:
             return self.collective.allreduce(tensor, comm_dtype=comm_dtype, elements=elements, in_step=in_step)
         return allreduce(tensor, group=self.process_group, ledger=self.ledger, comm_dtype=comm_dtype, elements=elements, in_step=in_step)
@@ -546,6 +633,7 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
     def step(self, closure=None):
         if not self._bound:
             self.bind()
+        self._land()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -554,11 +642,14 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
             synced, variance_updated, interval = self._step()
         finally:
             self._reset_rounds()
-        if synced:
-            self._average_tensors(in_step=True)
-        comm = self.ledger.end_step()
         kind = self._kind(synced, variance_updated)
-        self.last_step = StepRecord(self.step_count, synced, variance_updated, comm.bits_per_param, comm.bytes_sent, interval, kind)
+        if self._in_flight:  # a delayed round: the ranks differ until it lands; its counts are filled in then
+            self.last_step = self._held = StepRecord(self.step_count, False, variance_updated, 0.0, 0, interval, kind)
+        else:
+            if synced:
+                self._average_tensors(in_step=True)
+            comm = self.ledger.end_step()
+            self.last_step = StepRecord(self.step_count, synced, variance_updated, comm.bits_per_param, comm.bytes_sent, interval, kind)
         self.step_count += 1
         return loss
 

@@ -27,7 +27,9 @@ class OptimizerState:
 
     def shared_state_dict(self) -> dict:
         """The state that is the same on every rank (save it once): hyperparameters, schedules, the
-        ledger and, when the parameters are synchronised, m, v and the anchor."""
+        ledger and, when the parameters are synchronised, m, v and the anchor. A delayed round in flight
+        is waited for first and saved landed, to be applied at the next step as it would have been."""
+        self._wait_in_flight()
         groups, index = [], 0
         for group in self.param_groups:
             saved = {k: v for k, v in group.items() if k != "params"}
@@ -48,12 +50,14 @@ class OptimizerState:
                 "scalars": self._scalars,
                 "schedule": self.schedule.state_dict() if self.schedule is not None else None,
                 "ledger": self.ledger.state_dict(),
+                "landed_sync": self._landed,  # a delayed round's result in the buffers, applied at the next step
             },
         }
 
     def rank_state_dict(self) -> dict:
         """This rank's own state: the 1-bit error buffers and, inside a local-step period (when the
         ranks' momenta differ), the flat buffers too."""
+        self._wait_in_flight()
         return {
             "zoa_rank": {
                 "optimizer": type(self).__name__,
@@ -70,6 +74,7 @@ class OptimizerState:
 
     def load_state_dicts(self, shared: dict, rank: dict) -> None:
         """Restore from a shared state (any rank's) and this rank's own state."""
+        self._wait_in_flight()  # nothing may still write into the buffers
         saved, mine = shared.get("zoa"), rank.get("zoa_rank")
         name = type(self).__name__
         if saved is None or mine is None or saved["optimizer"] != name or mine["optimizer"] != name:
@@ -105,6 +110,7 @@ class OptimizerState:
             self.schedule.load_state_dict(saved["schedule"])
         self.ledger.load_state_dict(saved["ledger"])
         self.step_count = saved["step_count"]
+        self._in_flight, self._landed = False, bool(saved.get("landed_sync", False))
 
     def parameter_state(self) -> dict[str, torch.Tensor]:
         """The flat buffers every rank holds alike at a sync (m, v, the anchor; not DiLoCo's inner

@@ -131,6 +131,7 @@ class ZeroOneAdam(DataParallelOptimizer):
         collective: CollectiveFactory = OneBitAllReduce,
         update_clip: float | None = 1.0,
         var_update_weighting: str = "updates",
+        sync_delay: int = 0,
     ):
         if update_clip is not None and not update_clip > 0:
             raise ValueError(f"update_clip must be positive or None, got {update_clip}")
@@ -153,7 +154,7 @@ class ZeroOneAdam(DataParallelOptimizer):
             local_step_scaler=local_step_scaler,
             local_step_interval=local_step_interval,
         )
-        super().__init__(params, defaults, process_group, allreduce_dtype, collective)
+        super().__init__(params, defaults, process_group, allreduce_dtype, collective, sync_delay)
 
     def _allocate_state(self) -> None:
         for flat, buffers, scalars in zip(self._flat, self._buffers, self._scalars):
@@ -175,6 +176,7 @@ class ZeroOneAdam(DataParallelOptimizer):
     def synchronize(self) -> None:
         """Sync now if local steps are pending (e.g. before an evaluation), so all ranks agree; the
         extra 1-bit round is counted as a step of its own."""
+        self._land()
         if not self.schedule.steps_since_sync:
             return super().synchronize()
         with torch.no_grad():
@@ -189,11 +191,12 @@ class ZeroOneAdam(DataParallelOptimizer):
 
     @property
     def parameters_differ(self) -> bool:
-        return self.schedule.steps_since_sync > 0
+        return self.schedule.steps_since_sync > 0 or self._in_flight or self._landed
 
     @property
     def max_steps_apart(self) -> int:
-        return max(1, self.schedule.max_interval)  # a rank may take a whole period of local steps ahead
+        # a rank may take a whole period of local steps ahead, and one more step before a delayed round lands
+        return max(1, self.schedule.max_interval) + self.sync_delay
 
     def next_step_communicates(self) -> bool:
         return copy.copy(self.schedule).advance(self._lead_lr()).sync  # decided on a copy: nothing advances
@@ -225,6 +228,7 @@ class ZeroOneAdam(DataParallelOptimizer):
             if flat.numel:
                 self._start_gradient_average(span)
             return
+        own_step = None
         if flat.numel:
             group, m = self.param_groups[index], self._buffers[index]["exp_avg"]
             beta1, t = group["betas"][0], decision.step
@@ -234,26 +238,39 @@ class ZeroOneAdam(DataParallelOptimizer):
             numerator = m[span.start : span.stop]  # this step's displacement is step_size * numerator / denom
             if group["update_clip"] and t < self.schedule.var_freeze_step:
                 numerator = self._clipped(index, span, m, denom, group["update_clip"])
-            self.collective.accumulators[index][span.start : span.stop].addcdiv_(numerator, denom[span.start : span.stop], value=step_size)
-        self._start_sync(span, local_steps_taken)
+            denom = denom[span.start : span.stop]
+            self.collective.accumulators[index][span.start : span.stop].addcdiv_(numerator, denom, value=step_size)
+            if self._deferred is not None:  # delayed: this rank steps on its own until the round lands
+                own_step = (numerator, denom, step_size)
+        self._start_sync(span, local_steps_taken, own_step)
 
-    def _start_sync(self, span, local_steps_taken: bool) -> None:
+    def _start_sync(self, span, local_steps_taken: bool, own_step: tuple | None = None) -> None:
         """After local steps, their displacement anchor - x joins w first (local steps do not
         accumulate it, which keeps them one pass over x and one over m, as cheap as a fused AdamW
-        step); then the span's w is averaged by the 1-bit exchange into m (m <- w_bar)."""
+        step); then the span's w is averaged by the 1-bit exchange into m (m <- w_bar). A delayed
+        sync (`own_step`: this step's numerator, denominator and step size over the span) first moves
+        the parameters by this step as a local step would, for the next forward to start from; the
+        landing replaces them."""
         flat, buffers = self._flat[span.group], self._buffers[span.group]
+        params = [flat.params[i] for i in span.tensors]
         if local_steps_taken and flat.numel:
             anchors, accumulators = flat.views(buffers["anchor"]), flat.views(self.collective.accumulators[span.group])
-            displacement = torch._foreach_sub([anchors[i] for i in span.tensors], [flat.params[i] for i in span.tensors])
+            displacement = torch._foreach_sub([anchors[i] for i in span.tensors], params)
             torch._foreach_add_([accumulators[i] for i in span.tensors], displacement)
+        if own_step is not None:
+            numerator, denom, step_size = own_step
+            places = [(flat.offsets[i] - span.start, p) for i, p in zip(span.tensors, params)]
+            cut = lambda flat_part: [flat_part[o : o + p.numel()].view_as(p) for o, p in places]  # noqa: E731
+            torch._foreach_addcdiv_(params, cut(numerator), cut(denom), value=-step_size)
         self._start_exchange(span, buffers["exp_avg"])
 
     def _step(self) -> tuple[bool, bool, int]:
         plan = self._plan_step()
         decision = self.schedule.advance(self._lead_lr())
         t = decision.step
+        delayed = decision.sync and not decision.variance_update and self.sync_delay > 0
         if decision.sync:
-            self._run_rounds(plan)
+            self._run_rounds(plan, delayed)
         for index, (group, flat, buffers, scalars) in enumerate(zip(self.param_groups, self._flat, self._buffers, self._scalars)):
             if not flat.numel:
                 continue
@@ -292,10 +309,16 @@ class ZeroOneAdam(DataParallelOptimizer):
             if group["update_clip"] and t < self.schedule.var_freeze_step:
                 numerator = self._clipped(index, None, m, denom, group["update_clip"])
             torch._foreach_addcdiv_(params, flat.views(numerator), flat.views(denom), value=-step_size)
-        if decision.sync and not decision.variance_update:
+        if decision.sync and not decision.variance_update and not delayed:
             self._finish_syncs()
         self._denominators.clear()
         return decision.sync, decision.variance_update, decision.interval
+
+    def _apply_landed(self) -> None:
+        """A delayed sync lands: the finish of its sync step, from the same w_bar, anchor, denominator
+        and scalars (nothing has changed them since: the step that lands it has taken no step yet)."""
+        self._finish_syncs()
+        self._denominators.clear()
 
     def _clipped(self, index: int, span, m: torch.Tensor, denom: torch.Tensor, limit: float) -> torch.Tensor:
         """A copy of m (of `span`'s slice of it, or all of it for None) scaled per tensor so that the
