@@ -260,7 +260,8 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         sizes = [[local_shard(p).numel() for p in group["params"]] for group in self.param_groups]
         self.collective: Collective | None = None
         device = next((p.device for group in self.param_groups for p in group["params"]), torch.device("cpu"))
-        # Delayed rounds run on a thread of their own, so their collective gets process groups of its own.
+        # Delayed rounds run on a thread of their own, so their collective gets process groups of its own;
+        # one rank has no round to hide, and its steps stay as they are.
         self._round_thread = None
         round_group = self.process_group
         if self.sync_delay and self.world_size > 1:
@@ -423,10 +424,7 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
             self._wait_rounds(whole)
 
         self._in_flight = self._landed = True
-        if self._round_thread is None:  # one rank: nothing to hide, the same arithmetic
-            job()
-        else:
-            self._round_thread.submit(job)
+        self._round_thread.submit(job)
 
     def _wait_in_flight(self) -> None:
         """Wait for a delayed round (not applying it) and close its step in the ledger: before anything

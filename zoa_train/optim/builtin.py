@@ -152,10 +152,11 @@ class ZeroOneAdamKnobs:
     # the largest RMS of a tensor's m/d on steps with a stale v; null: none
     update_clip: float | None = library_default(ZeroOneAdam, "update_clip")
     var_update_weighting: Literal[VAR_UPDATE_WEIGHTINGS] = library_default(ZeroOneAdam, "var_update_weighting")  # what one variance update weighs
+    sync_delay: int = library_default(ZeroOneAdam, "sync_delay")  # 1: a sync's 1-bit round runs behind the next step and lands there
 
     def schedule_knobs(self) -> dict:
         """The ZeroOneSchedule keyword arguments among them."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("update_clip", "var_update_weighting")}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("update_clip", "var_update_weighting", "sync_delay")}
 
 
 def _build_zero_one_adam(ctx: BuildContext) -> TrainingOptimizer:
@@ -230,6 +231,7 @@ register(
             "local_step_scaler": checks.positive,
             "local_step_interval": checks.positive,
             "update_clip": checks.positive_or_null,
+            "sync_delay": checks.from_to(0, 1),
         },
         _note_zero_one_adam,
         colour="#1f6fc0",
@@ -241,6 +243,7 @@ register(
             "var_freeze_step": no_unfreezing,
             **dict.fromkeys(("var_update_scaler", "local_steps", "local_step_clip", "local_step_scaler", "local_step_interval")),
             **dict.fromkeys(("update_clip", "var_update_weighting")),
+            "sync_delay": None,  # a round saved in flight was saved landed: it is applied at the next step either way
         },
     )
 )

@@ -268,7 +268,7 @@ class ZeroOneAdam(DataParallelOptimizer):
         plan = self._plan_step()
         decision = self.schedule.advance(self._lead_lr())
         t = decision.step
-        delayed = decision.sync and not decision.variance_update and self.sync_delay > 0
+        delayed = decision.sync and not decision.variance_update and self._round_thread is not None  # sync_delay 1, several ranks
         if decision.sync:
             self._run_rounds(plan, delayed)
         for index, (group, flat, buffers, scalars) in enumerate(zip(self.param_groups, self._flat, self._buffers, self._scalars)):
