@@ -113,6 +113,16 @@ def test_optimizers_are_checked_and_adam_runs_first():
             netsim.parse_optimizers(bad)
 
 
+def test_variants_are_checked_and_labelled_by_their_values():
+    assert netsim.parse_variants(["zero_one_adam:optimizer.sync_delay=1", "diloco:optimizer.sync_every=8,optimizer.outer_lr=1"]) == [
+        ("zero_one_adam+sync_delay=1", "zero_one_adam", ["optimizer.sync_delay=1"]),
+        ("diloco+sync_every=8+outer_lr=1", "diloco", ["optimizer.sync_every=8", "optimizer.outer_lr=1"]),
+    ]
+    for bad in (["sgd:optimizer.lr=1"], ["zero_one_adam"], ["zero_one_adam:sync_delay=1"], ["adam:optimizer.lr"], ["adam:optimizer.lr=1"] * 2):
+        with pytest.raises(UserError, match="--variant"):
+            netsim.parse_variants(bad)
+
+
 def test_step_seconds_by_kind_are_recovered_from_the_windows():
     seconds = {"v": 0.5, "s": 0.3, "l": 0.1}
     windows = ["vvvvv", "vvsvs", "vlsls", "llsll", "lllls", "ssss"]

@@ -413,6 +413,14 @@ def bench_netsim(
             show_default=False,
         ),
     ] = None,
+    variant: Annotated[
+        list[str],
+        typer.Option(
+            "--variant",
+            help="Also train an optimizer with recipe values of its own, NAME:section.key=value[,...], labelled NAME+key=value "
+            "(repeatable), e.g. zero_one_adam:optimizer.sync_delay=1.",
+        ),
+    ] = [],
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as one JSON object instead of tables.")] = False,
 ) -> None:
     """Train each optimizer on ranks in network namespaces (emulated nodes) joined by a bridge over rate-limited, delayed veth links, same recipe and seed.
@@ -437,6 +445,7 @@ def bench_netsim(
         margin=margin,
         target_loss=target_loss,
         as_json=as_json,
+        variants=variant,
     )
     if code:
         raise typer.Exit(code)

@@ -158,19 +158,20 @@ def bench_netsim(
     margin: float,
     target_loss: float | None,
     as_json: bool,
+    variants: list[str] = (),
 ) -> int:
     """The exit code: 0, or 1 where a rank failed (said in one sentence)."""
-    from zoa_train.bench.netsim import RankFailed, format_netsim, parse_optimizers, run_netsim
+    from zoa_train.bench.netsim import RankFailed, format_netsim, parse_optimizers, parse_variants, run_netsim
     from zoa_train.config import load_recipe
     from zoa_train.plan.recipe import count_parameters
 
     world = check_netsim_options(ranks, nodes, ranks_per_node, shard, steps, margin, target_loss)
     overrides = [*overrides, *([f"train.steps={steps}"] if steps else [])]
     config = load_recipe(recipe, overrides)  # also imports the modules that register its optimizers
-    names = parse_optimizers(optimizers)
+    names, extra = parse_optimizers(optimizers), parse_variants(list(variants))
     num_params = count_parameters(config)
     numels = _comm_numels(comm_sizes, num_params)
-    if not names and not numels:
+    if not names and not extra and not numels:
         raise UserError("--optimizers none and --comm-sizes none leave nothing to run.")
     # bench comm over the links holds what it holds on one machine (--sizes), on every rank of this one
     check_fits(f"--comm-sizes {max(numels, default=0):,} elements", BENCH_COMM_BYTES_PER_ELEMENT * max(numels, default=0) * world, "pass smaller --comm-sizes")
@@ -191,6 +192,7 @@ def bench_netsim(
             num_params=num_params,
             target_loss=target_loss,
             shard=shard,
+            variants=extra,
         )
     except RankFailed as e:
         console.error(str(e))

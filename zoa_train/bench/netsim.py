@@ -146,6 +146,25 @@ def parse_optimizers(text: str) -> list[str]:
     return sorted(names, key=lambda n: n != registry.BASELINE)
 
 
+def parse_variants(texts: list[str]) -> list[tuple[str, str, list[str]]]:
+    """--variant NAME:section.key=value[,section.key=value] (repeatable): (label, optimizer, recipe values)
+    of each extra run of an optimizer with values of its own, labelled NAME+key=value."""
+    variants = []
+    for text in texts:
+        name, _, pairs = text.partition(":")
+        sets = [p.strip() for p in pairs.split(",") if p.strip()]
+        if name.strip() not in registry.names() or not sets or not all("=" in s and "." in s.partition("=")[0] for s in sets):
+            raise UserError(
+                f"--variant takes NAME:section.key=value[,section.key=value] with NAME one of {', '.join(registry.names())}, "
+                f"e.g. zero_one_adam:optimizer.sync_delay=1, not {text!r}."
+            )
+        label = "+".join([name.strip(), *(s.partition("=")[0].rpartition(".")[2] + "=" + s.partition("=")[2] for s in sets)])
+        variants.append((label, name.strip(), sets))
+    if len({label for label, _, _ in variants}) != len(variants):
+        raise UserError(f"--variant names the same run twice: {', '.join(texts)}.")
+    return variants
+
+
 def link_commands(topo: Topology, rate_bits: int, latency_s: float, intra_bits: int = 0) -> list[list[str]]:
     """The ip/tc commands that build the network, in order; nothing runs in the root namespace.
     `intra_bits`: the rate of each node's loopback, which its ranks share (0: unshaped)."""
@@ -436,13 +455,15 @@ def run_netsim(
     num_params: int = 0,
     target_loss: float | None = None,
     shard: bool = False,
+    variants: list[tuple[str, str, list[str]]] = (),
 ) -> dict:
     """Train each optimizer over the emulated network (`ranks` in nodes of `ranks_per_node`), then run
     bench comm over it; returns (and writes to OUT/netsim.json) the figures, with `num_params` (the
     model's) also `plan`'s inputs where the run gives them (plan_inputs). Inputs are checked before
     anything is created. `target_loss` stands in for Adam's final val_loss where Adam is not trained here
     (a link too slow to train it on: the loss a seed reaches does not depend on the link). `shard`: each
-    optimizer that can be is also trained sharded inside the node (comm.shard node), labelled NAME-sharded."""
+    optimizer that can be is also trained sharded inside the node (comm.shard node), labelled NAME-sharded.
+    `variants` (parse_variants): more runs of an optimizer with recipe values of their own, after the others."""
     from zoa_train.config import check_batch_layout, load_recipe
 
     if target_loss is not None and registry.BASELINE in optimizers:
@@ -468,6 +489,10 @@ def run_netsim(
             runs[name] = (name, None, [*overrides, *nodes, f"optimizer.name={name}"])
         if shard and registry.get(name).shardable:  # sharded inside each node, the shard between nodes
             runs[f"{name}-sharded"] = (name, "sharded", [*overrides, *nodes, "comm.shard=node", f"optimizer.name={name}"])
+    for label, name, sets in variants:
+        if label in runs:
+            raise UserError(f"--variant {label} is also a run of --optimizers; give it other values.")
+        runs[label] = (name, label.partition("+")[2], [*overrides, *nodes, *sets, f"optimizer.name={name}"])  # its values in the column's title
     for _, _, sets in runs.values():
         check_batch_layout(load_recipe(recipe, sets), ranks, str(recipe))
     check_prerequisites()

@@ -45,7 +45,9 @@ step. The 1-bit optimizers communicate inside `step()`, after backward, unless t
 backward (`StepCosts.overlap`, a recipe's comm.overlap): then each round's transfers are modelled as
 DDP's are, in buckets of `overlap_bucket_bytes` (comm.bucket_cap_mb), and only their exposed part adds
 to the step; the round's work on the ranks (`CallCost.work_seconds`) adds in full, as it competes with
-backward for the ranks (calibrated on CPUs, docs/results/overlap.md).
+backward for the ranks (calibrated on CPUs, docs/results/overlap.md). 0/1 Adam's delayed sync
+(optimizer.sync_delay 1) runs each 1-bit round's transfer behind the whole next step: only what
+outlasts the step's compute adds, and the work on the ranks in full.
 Sharded (comm.shard node), each rank's rounds cover its shard among the N ranks that hold it, the
 node's G ranks at once over its link; FSDP2's all-gathers and reduce-scatter inside the node add what
 prefetching cannot hide (`fsdp_step_cost`), and Adam's HSDP all-reduce starts unit by unit in backward
@@ -204,6 +206,16 @@ def _overlapped_step(cost: Callable[[int], CallCost], num_params: int, costs: St
     return transfer + cost(num_params).work_seconds
 
 
+def _delayed_step(cost: Callable[[int], CallCost], num_params: int, costs: StepCosts | None) -> float | None:
+    """What a delayed round (0/1 Adam's sync_delay 1) adds to a step (None: no step time given): its
+    transfer runs behind the whole next step, so only what outlasts that step's compute adds; its work
+    on the ranks adds in full, as an overlapped round's does."""
+    if costs is None:
+        return None
+    call = cost(num_params)
+    return call.work_seconds + max(0.0, call.transfer_seconds - costs.step_time)
+
+
 def _check_arguments(
     steps, world_size, ranks_per_node, num_params, allreduce_bits, bandwidth_bytes_per_s, intra_bandwidth_bytes_per_s, latency_s, backend, costs,
     gpu_memory_bytes, activations, checkpointing, knobs,
@@ -336,6 +348,7 @@ def plan(
         return record
 
     overlapped = functools.partial(_overlapped_step, num_params=num_params, costs=costs)
+    delayed = functools.partial(_delayed_step, num_params=num_params, costs=costs)
     result = {}
     for name in registry.names():
         spec = registry.get(name)
@@ -358,7 +371,7 @@ def plan(
                 fp_step_s=(fp.seconds if overlapped(rounds[topology][0]) is None else overlapped(rounds[topology][0]))
                 if spec.uses_collective or costs is None
                 else ddp_exposed_time(num_params, element, cluster, costs),
-                onebit_step_s=overlapped(rounds[topology][1]),
+                onebit_step_s=delayed(rounds[topology][1]) if getattr(context.knobs, "sync_delay", 0) else overlapped(rounds[topology][1]),
             )
             for topology, (fp, onebit) in (topologies.items() if spec.uses_collective else [(base.name, topologies[base.name])])
         }
