@@ -2,8 +2,8 @@
 runs behind the next step's forward and backward and lands at the next step() before anything else.
 
 - where the gradients do not depend on the parameters, the delay changes nothing: the delayed run equals
-  the in-step run bit for bit (parameters, momentum, error buffers, the ledger), unbucketed and in
-  buckets; so the only effect of the delay is where the next gradient is taken;
+  the in-step run bit for bit (parameters, momentum, error buffers, the ledger), unbucketed, in
+  buckets and node-aware on 2 x 2; so the only effect of the delay is where the next gradient is taken;
 - with a real model: deterministic, the anchor (the point of the last applied sync) identical on every
   rank after every step, the parameters identical after synchronize(), and a resume from a state saved
   with a round in flight continues the uninterrupted run bit for bit.
@@ -17,13 +17,19 @@ import torch
 import torch.distributed as dist
 from distributed_harness import run_ranks
 
-from zoa_train.comm import OneBitAllReduce
+from zoa_train.comm import ClusterCollective, OneBitAllReduce
 from zoa_train.comm.buckets import BucketedCollective
 from zoa_train.optim import ZeroOneAdam
 
 # variance steps (dense, then every other), 1-bit syncs before and after the freeze, local steps
 SCHEDULE = dict(var_freeze_step=8, var_update_scaler=2, local_steps="fixed", local_step_interval=3)
 BUCKETED = functools.partial(BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=300 * 4 / 2**20)
+# by name, made in the ranks: a collective that holds process groups must not outlive the ranks' group
+COLLECTIVES = {
+    "flat": lambda: OneBitAllReduce,
+    "buckets": lambda: BUCKETED,
+    "node-aware": lambda: ClusterCollective("hierarchical", ranks_per_node=2),  # 2 nodes x 2: node groups used from the round's thread
+}
 
 
 class Net(torch.nn.Module):
@@ -61,11 +67,11 @@ def _tensors(state):
     return []
 
 
-def _fixed_gradients(rank, world_size, delay, bucketed, steps=20):
+def _fixed_gradients(rank, world_size, delay, collective, steps=20):
     """Gradients that depend on the step and the rank only; the state after synchronize()."""
     torch.manual_seed(0)
     model = Net()
-    opt = _optimizer(model, delay, BUCKETED if bucketed else OneBitAllReduce)
+    opt = _optimizer(model, delay, collective)
     kinds = []
     for step in range(steps):
         generator = torch.Generator().manual_seed(100 * step + rank)
@@ -78,8 +84,8 @@ def _fixed_gradients(rank, world_size, delay, bucketed, steps=20):
     return _state(model, opt), opt.ledger.summary(), kinds
 
 
-def _both_ways(rank, world_size):
-    return [(_fixed_gradients(rank, world_size, 0, bucketed), _fixed_gradients(rank, world_size, 1, bucketed)) for bucketed in (False, True)]
+def _both_ways(rank, world_size, names):
+    return [(_fixed_gradients(rank, world_size, 0, COLLECTIVES[n]()), _fixed_gradients(rank, world_size, 1, COLLECTIVES[n]())) for n in names]
 
 
 def _check_equal(in_step, delayed):
@@ -94,9 +100,10 @@ def _check_equal(in_step, delayed):
 
 
 def test_the_delay_changes_nothing_where_gradients_do_not_depend_on_the_parameters():
-    for rank in run_ranks(_both_ways, 2):
-        for in_step, delayed in rank:
-            _check_equal(in_step, delayed)
+    for world_size, names in ((2, ["flat", "buckets"]), (4, ["node-aware"])):
+        for rank in run_ranks(_both_ways, world_size, names):
+            for in_step, delayed in rank:
+                _check_equal(in_step, delayed)
 
 
 def _real(rank, world_size, steps, save_at=None, state=None):

@@ -100,7 +100,9 @@ class ZeroOneAdam(DataParallelOptimizer):
       var_update_weighting="updates" (each variance update one step of the average, as the paper;
       "steps": each weighs the steps since the previous one);
       process_group (default: the world), collective (default OneBitAllReduce; see
-      zoa_train/comm/protocol.py).
+      zoa_train/comm/protocol.py); sync_delay=0 (1: a sync's 1-bit round runs on a thread of its own
+      behind the next step's forward and backward and is applied at the next step(), before its update:
+      docs/algorithm.md "Delayed sync"; one rank has nothing to delay).
 
     State (`state_dict()`): per group, flat fp32 m, v (then the denominator) and the anchor (the
     parameters at the last sync) in the collective's layout; the schedule and the ledger; this rank's
