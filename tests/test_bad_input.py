@@ -240,6 +240,11 @@ CASES = {
     # issue 53: the delayed sync, out of range or with what it does not run with, refused at recipe load
     "sync delay of two": (recipe_with("optimizer.sync_delay=2"), "optimizer.sync_delay must be from 0 to 1, not 2", False),
     "sync delay overlapped": (recipe_with("optimizer.sync_delay=1", "comm.overlap=true"), "optimizer.sync_delay 1 lets each 1-bit round run behind", False),
+    "DiLoCo's sync delay overlapped": (
+        recipe_with("optimizer.name=diloco", "optimizer.sync_delay=1", "comm.overlap=true"),
+        "optimizer.sync_delay 1 lets each outer round run behind",
+        False,
+    ),
     # issue 40: DiLoCo's outer collective and the top-k compressor's settings, refused at recipe load
     "unknown outer collective": (recipe_with("optimizer.outer_collective=twobit"), "optimizer.outer_collective must be one of full, onebit, topk", False),
     "compressed outer sync in fragments": (

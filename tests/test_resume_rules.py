@@ -345,6 +345,7 @@ BETWEEN_RANKS = [
     ("zero_one_adam", dict(var_freeze_step=2, local_steps="steps", local_step_scaler=1, local_step_clip=4), "local_step_scaler", 100),
     ("zero_one_adam", dict(var_freeze_step=20, var_update_scaler=1, allreduce_dtype="fp32"), "allreduce_dtype", "bf16"),
     ("zero_one_adam", dict(var_freeze_step=2, local_steps="fixed", local_step_interval=2), "sync_delay", 1),
+    ("diloco", dict(sync_every=2), "sync_delay", 1),
     ("diloco", dict(sync_every=2, outer_collective="topk", topk_density=0.05, topk_chunk=16), "topk_density", 0.5),
     ("diloco", dict(sync_every=2, outer_collective="topk", topk_density=0.05, topk_chunk=16), "topk_error_decay", 0.5),
 ]

@@ -423,12 +423,13 @@ def _check(recipe: Recipe, origin: str) -> None:
             raise UserError(f"{origin}: data file {name} is a directory; data.train_files and data.validation_files name files or glob patterns.")
     if recipe.comm.shard == "node":
         _check_sharding(recipe, origin)
-    if o.name == "zero_one_adam" and o.sync_delay:
+    if o.name in ("zero_one_adam", "diloco") and o.sync_delay:
         if recipe.comm.shard == "node":
             raise UserError(f"{origin}: optimizer.sync_delay 1 does not run sharded yet; set it to 0 or comm.shard none.")
         if recipe.comm.overlap:
+            rounds = "1-bit round" if o.name == "zero_one_adam" else "outer round"
             raise UserError(
-                f"{origin}: optimizer.sync_delay 1 lets each 1-bit round run behind the whole next step, so its rounds start in step(), "
+                f"{origin}: optimizer.sync_delay 1 lets each {rounds} run behind the whole next step, so its rounds start in step(), "
                 "not during backward; set comm.overlap false."
             )
     from zoa_train.tasks import task_class  # imports nothing heavy

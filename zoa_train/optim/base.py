@@ -12,7 +12,7 @@ shards: the state follows the shard, and the process group is the ranks that hol
 per node). Their gradients are FSDP2's, already averaged over the node. FSDP2 sets them after its
 reduce-scatter, not through autograd's accumulation, so rounds start in step(), never during backward.
 
-A delayed sync (`sync_delay` 1, ZeroOneAdam's): a sync step's 1-bit round runs on a thread of its own,
+A delayed sync (`sync_delay` 1, ZeroOneAdam's and DiLoCo's): a sync step's round runs on a thread of its own,
 over a duplicate of the process group, while the rank computes the next step's forward and backward
 from its own parameters; the next step() (or anything that needs the state: synchronize, a state dict,
 a full-precision average) waits for it, and the next step() applies it before anything else
@@ -270,6 +270,7 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
             round_group = duplicate_group(self.process_group)
             self._round_thread = CommThread(device, self.ledger)
             weakref.finalize(self, self._round_thread.close)
+        self._round_group = round_group  # what a delayed round's own collectives run over (DiLoCo's full-precision average)
         self._in_flight = False  # a delayed round runs; its step is still open in the ledger
         self._landed = False  # a delayed round's result waits to be applied at the next step
         self._held: StepRecord | None = None

@@ -398,6 +398,7 @@ class DiLoCoKnobs:
     topk_density: float = library_default(TopKAllReduce, "density")  # fraction of each chunk sent
     topk_chunk: int = library_default(TopKAllReduce, "chunk")  # elements per chunk, each chunk its own top-k and 2-bit levels
     topk_error_decay: float = library_default(TopKAllReduce, "error_decay")  # the error's decay between outer steps (SparseLoCo's beta)
+    sync_delay: int = library_default(DiLoCo, "sync_delay")  # 1: an outer step's average runs behind the next inner step and is applied there
 
     def optimizer_knobs(self) -> dict:
         """The DiLoCo keyword arguments among them (the others choose and set its outer collective)."""
@@ -494,6 +495,7 @@ register(
             "topk_density": checks.within(0, 1, low_open=True, high_open=False),
             "topk_chunk": checks.positive,
             "topk_error_decay": checks.within(0, 1, high_open=False),
+            "sync_delay": checks.from_to(0, 1),
         },
         _note_diloco,
         colour="#b8860b",
@@ -505,6 +507,7 @@ register(
             "fragments": "the outer steps' state is kept per fragment as saved",
             "outer_collective": "the saved error feedback is that collective's",
             "topk_chunk": "the saved error feedback is laid out in chunks of that size",
+            "sync_delay": None,  # an outer round saved in flight was saved landed: it is applied at the next step either way
         },
     )
 )

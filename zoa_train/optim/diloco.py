@@ -16,6 +16,14 @@ averaged by that collective instead: the 1-bit allreduce (flat or node-aware) or
 state is then kept in the collective's layouts, and its error buffers are this rank's own state (in
 the rank's checkpoint file); it averages the whole model at once, so fragments must be 1.
 
+With `sync_delay` 1 (and more than one rank) a step with outer steps due computes their
+pseudo-gradients and starts their average on a thread of its own, over a duplicate of the process
+group, and returns: the average runs behind the next step's forward and backward (Streaming DiLoCo's
+overlapped communication, with a delay of one step), and the next step() applies the outer steps
+first, before its inner update, exactly as they would have been applied in their own step. The only
+effect is that one inner gradient per outer step is taken at this rank's own parameters instead of
+at the outer step's result (docs/optimizers.md).
+
 Why not torchft's DiLoCo: it runs only under a torchft Manager, which needs a Lighthouse server
 process beside the job and a quorum with it at every outer step, and its own reconfigurable process
 groups; zoa-train's launchers (local spawn, torchrun, srun) start none of that, and its fault
@@ -75,7 +83,9 @@ class DiLoCo(DataParallelOptimizer):
     optimizer); sync_every=500 (H, the paper's), outer_lr=0.7, outer_momentum=0.9, outer_nesterov=True
     (the paper's), fragments=1 (Streaming DiLoCo above 1); process_group, allreduce_dtype (the
     pseudo-gradient's on the wire); outer_collective=None (a full-precision allreduce; else the
-    collective factory that averages the pseudo-gradient, with fragments 1).
+    collective factory that averages the pseudo-gradient, with fragments 1); sync_delay=0 (1: each
+    outer step's average runs behind the next inner step and is applied at the next step(), before
+    its inner update; it acts between ranks only).
     State: per group flat fp32 inner m and v (each rank's own), the anchor (the parameters at the last
     outer step) and the outer momentum: 4 fp32 copies of the model, and between outer steps each
     rank's own parameters (the trainer saves them in the rank's checkpoint file). With an outer
@@ -101,6 +111,7 @@ class DiLoCo(DataParallelOptimizer):
         process_group=None,
         allreduce_dtype: torch.dtype | None = None,
         outer_collective: CollectiveFactory | None = None,
+        sync_delay: int = 0,
     ):
         if outer_collective is not None and fragments != 1:
             raise ValueError(f"an outer collective averages the whole model at once, so fragments must be 1, got {fragments}")
@@ -111,7 +122,8 @@ class DiLoCo(DataParallelOptimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction)
         self.schedule = OuterSchedule(sync_every, fragments)
         self.outer_lr, self.outer_momentum, self.outer_nesterov = outer_lr, outer_momentum, outer_nesterov
-        super().__init__(params, defaults, process_group, allreduce_dtype, outer_collective)
+        self._pending: list[tuple[int, list[torch.Tensor]]] = []  # delayed outer steps: (fragment, its averaged pseudo-gradient's buffers)
+        super().__init__(params, defaults, process_group, allreduce_dtype, outer_collective, sync_delay)
 
     def _allocate_state(self) -> None:
         for flat, buffers in zip(self._flat, self._buffers):
@@ -150,11 +162,13 @@ class DiLoCo(DataParallelOptimizer):
 
     @property
     def parameters_differ(self) -> bool:
-        return any(self.schedule.since)
+        # a fragment whose outer step is pending keeps its steps since the last one until it is applied
+        return any(self.schedule.since) or self._in_flight or self._landed
 
     @property
     def max_steps_apart(self) -> int:
-        return self.schedule.sync_every
+        # a rank may take a whole period ahead, and one more step before a delayed outer step lands
+        return self.schedule.sync_every + self.sync_delay
 
     def next_step_communicates(self) -> bool:
         return bool(self.schedule.due(self.step_count + 1))
@@ -164,7 +178,8 @@ class DiLoCo(DataParallelOptimizer):
 
     def synchronize(self) -> None:
         """An outer step now for every fragment with inner steps since its last (before a final
-        evaluation), counted as a step of its own."""
+        evaluation), counted as a step of its own; a delayed outer step is applied first."""
+        self._land()
         pending = [f for f, since in enumerate(self.schedule.since) if since]
         if not pending:
             return super().synchronize()
@@ -181,8 +196,11 @@ class DiLoCo(DataParallelOptimizer):
                 self._inner_step(group, flat, buffers, t)
         self.schedule.since = [since + 1 for since in self.schedule.since]
         due = self.schedule.due(t + 1)
-        for f in due:
-            self._outer_step(f)
+        if due and self._round_thread is not None:  # sync_delay 1, several ranks
+            self._start_delayed(due)
+        else:
+            for f in due:
+                self._outer_step(f)
         return bool(due), True, self.schedule.sync_every
 
     def _inner_step(self, group: dict, flat, buffers: dict, t: int) -> None:
@@ -202,9 +220,65 @@ class DiLoCo(DataParallelOptimizer):
     def _outer_step(self, f: int) -> None:
         """Average fragment f's pseudo-gradient (anchor - parameters) and take the outer SGD step from the
         anchor; every rank ends on the same parameters of the fragment, which become its anchor."""
+        flats = self._pseudo_gradient(f)
+        self._average(flats, self.process_group)
+        self._apply_outer_step(f, flats)
+
+    def _start_delayed(self, due: list[int]) -> None:
+        """Start the average of the due fragments' pseudo-gradients on the delayed rounds' thread (over
+        the duplicate group) and return; the next step() applies their outer steps (`_apply_landed`).
+        The buffers are the thread's until it is waited for: nothing else writes them before."""
+        work = [(f, self._pseudo_gradient(f)) for f in due]
+        group = self._round_group
+
+        def job() -> None:
+            for _, flats in work:
+                self._average(flats, group)
+
+        self._pending = work
+        self._in_flight = self._landed = True
+        self._round_thread.submit(job)
+
+    def _apply_landed(self) -> None:
+        """A delayed outer round lands: each pending fragment's outer step from its averaged
+        pseudo-gradient (its anchor, outer momentum and parameters untouched since: the step that lands
+        it has taken no inner step yet)."""
+        pending, self._pending = self._pending, []
+        for f, flats in pending:
+            self._apply_outer_step(f, flats)
+
+    def _pseudo_gradient(self, f: int) -> list[torch.Tensor]:
+        """Fragment f's anchor - parameters in flat buffers: one new buffer of the fragment's tensors
+        back to back (full precision), or the outer collective's per-group buffers (every parameter:
+        fragments is 1 then)."""
+        fragment = self._fragments[f]
+        params, anchor = fragment["params"], fragment["anchor"]
+        if self.collective is None:
+            deltas = torch._foreach_sub(anchor, params)
+            return [torch.cat([d.reshape(-1) for d in deltas])]
+        deltas = self._pseudo_gradient_views
+        torch._foreach_copy_(deltas, anchor)
+        torch._foreach_sub_(deltas, params)
+        return self._pseudo_gradients
+
+    def _average(self, flats: list[torch.Tensor], group) -> None:
+        """Average a pseudo-gradient's flat buffers over the ranks in place: in full precision
+        (allreduce_dtype) over `group`, or by the outer collective (over the group it was built on; the
+        compression error stays in it)."""
+        if self.collective is None:
+            allreduce(flats[0], group=group, ledger=self.ledger, comm_dtype=self.allreduce_dtype)
+        else:
+            self.collective.op(flats)
+
+    def _apply_outer_step(self, f: int, flats: list[torch.Tensor]) -> None:
+        """The outer SGD step of fragment f from its averaged pseudo-gradient (`flats`, as
+        `_pseudo_gradient` made them): outer momentum, the anchor, the parameters set to the anchor."""
         fragment = self._fragments[f]
         params, anchor, momentum = fragment["params"], fragment["anchor"], fragment["momentum"]
-        deltas = self._average_pseudo_gradient(params, anchor)
+        if self.collective is None:
+            deltas = [d.view_as(p) for d, p in zip(flats[0].split([p.numel() for p in params]), params)]
+        else:
+            deltas = self._pseudo_gradient_views  # views of `flats`, which are self._pseudo_gradients
         update = deltas
         if self.outer_momentum:
             torch._foreach_mul_(momentum, self.outer_momentum)
@@ -214,27 +288,20 @@ class DiLoCo(DataParallelOptimizer):
         torch._foreach_copy_(params, anchor)
         self.schedule.since[f] = 0
 
-    def _average_pseudo_gradient(self, params: list[torch.Tensor], anchor: list[torch.Tensor]) -> list[torch.Tensor]:
-        """anchor - params averaged over the ranks, shaped like `params`: in full precision
-        (allreduce_dtype), or by the outer collective (every parameter: fragments is 1 then)."""
-        if self.collective is None:
-            deltas = torch._foreach_sub(anchor, params)
-            flat = torch.cat([d.reshape(-1) for d in deltas])
-            allreduce(flat, group=self.process_group, ledger=self.ledger, comm_dtype=self.allreduce_dtype)
-            return [d.view_as(p) for d, p in zip(flat.split([p.numel() for p in params]), params)]
-        deltas = self._pseudo_gradient_views
-        torch._foreach_copy_(deltas, anchor)
-        torch._foreach_sub_(deltas, params)
-        self.collective.op(self._pseudo_gradients)  # in place; the compression error stays in the collective
-        return deltas
-
     def _outer_sync(self) -> str:
         """What averages the pseudo-gradient, as a checkpoint records it."""
         return "a full-precision allreduce" if self.collective is None else type(self.collective).__name__
 
     def shared_state_dict(self) -> dict:
-        state = super().shared_state_dict()
+        state = super().shared_state_dict()  # waits for a delayed round: saved landed
+        state["zoa"]["pending_outer_steps"] = [f for f, _ in self._pending]  # their outer steps are applied at the next step
         state["zoa"]["outer_sync"] = self._outer_sync()
+        return state
+
+    def rank_state_dict(self) -> dict:
+        state = super().rank_state_dict()
+        # the averaged pseudo-gradients of the pending outer steps (the same on every rank)
+        state["zoa_rank"]["pending_pseudo_gradients"] = [flats for _, flats in self._pending]
         return state
 
     def load_state_dicts(self, shared: dict, rank: dict) -> None:
@@ -246,3 +313,20 @@ class DiLoCo(DataParallelOptimizer):
                 f"{self._outer_sync()}; resume with the same optimizer.outer_collective"
             )
         super().load_state_dicts(shared, rank)
+        fragments, flats = saved.get("pending_outer_steps", []), (rank.get("zoa_rank") or {}).get("pending_pseudo_gradients", [])
+        if len(fragments) != len(flats) or bool(fragments) != self._landed:
+            raise ValueError("the DiLoCo state's pending outer steps and their averaged pseudo-gradients do not match; it was not saved whole")
+        self._pending = [(f, self._restored(f, saved_flats)) for f, saved_flats in zip(fragments, flats)]
+
+    def _restored(self, f: int, saved: list[torch.Tensor]) -> list[torch.Tensor]:
+        """A pending outer step's saved averaged pseudo-gradient, in buffers of this run as `_pseudo_gradient` makes them."""
+        if self.collective is None:
+            params = self._fragments[f]["params"]
+            fresh = [torch.empty(sum(p.numel() for p in params), dtype=torch.float32, device=params[0].device)]
+        else:
+            fresh = self._pseudo_gradients
+        if [t.shape for t in saved] != [t.shape for t in fresh]:
+            raise ValueError(f"the DiLoCo state's pending outer step of fragment {f} is not of this run's fragment sizes")
+        for target, tensor in zip(fresh, saved):
+            target.copy_(tensor)
+        return fresh
