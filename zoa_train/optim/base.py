@@ -567,6 +567,11 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         are, except inside 0/1 Adam's local-step periods, which its own synchronize ends."""
         self.average_now()
 
+    def wait_for_rounds(self) -> None:
+        """Wait for a delayed round still running (sync_delay), without applying it, and count it in the
+        ledger: before reading final totals. Changes nothing in training."""
+        self._wait_in_flight()
+
     @property
     def parameters_differ(self) -> bool:
         """Whether ranks hold different parameters now (pending local steps)."""

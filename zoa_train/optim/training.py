@@ -79,6 +79,10 @@ class TrainingOptimizer(Protocol):
     def next_step_communicates(self) -> bool:
         """Whether the coming step() communicates (a small collective may then ride on it)."""
 
+    def wait_for_rounds(self) -> None:
+        """Wait for a round still running behind the step (0/1 Adam's delayed sync), without applying it,
+        so that the ledger counts it: before the final totals are read. Changes nothing in training."""
+
     def synchronize(self) -> None:
         """Make parameters and statistics identical on every rank now, ending any local steps."""
 
@@ -148,6 +152,9 @@ class _HoldsTorchOptimizer:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)
+
+    def wait_for_rounds(self) -> None:
+        """Nothing runs behind a step but a self-syncing optimizer's delayed rounds."""
 
     @property
     def lr(self) -> float:
@@ -437,6 +444,9 @@ class SelfSyncing(_HoldsTorchOptimizer):
 
     def synchronize(self) -> None:
         self.optimizer.synchronize()
+
+    def wait_for_rounds(self) -> None:
+        self.optimizer.wait_for_rounds()
 
     def average_statistics(self) -> None:
         self.optimizer.average_now()

@@ -316,6 +316,8 @@ class Trainer:
                 self._check_finite()  # before anything is logged or saved
             record = {}
             if log_now:
+                if last:
+                    self.opt.wait_for_rounds()  # the final totals count a delayed round still running
                 dist.all_reduce(loss_sum)  # monitoring only: one scalar every log_every steps
                 train_record = window.record(loss_sum.item() / self.world, lr, self.ledger, self.opt.variance_updates)
                 train_record |= monitor.record(train_record[window.throughput_key])  # memory peaks: one small all-gather
