@@ -326,6 +326,25 @@ def test_fsdp2_adds_what_compute_does_not_hide():
     assert bf16["intra_bytes_per_rank"] == 2 * (500 * 4 + 500 * 4 + 500 * 2)  # the reduce-scatter in the allreduce dtype, as the ledger counts it
 
 
+def test_a_delayed_round_adds_only_what_outlasts_the_next_step():
+    """sync_delay 1: 0/1 Adam's one 1-bit sync (step 2, closing a period of interval 2) and each of
+    DiLoCo's outer rounds run behind a step of compute: with 0.1 s of it they add nothing, with 0.1 ms
+    what their transfer takes beyond it. The variance step stays in step; the counts do not change."""
+    cluster = Cluster(2, 1, 1e6, 1e-3)
+    onebit = flat_onebit_cost(1000, cluster).seconds
+    outer = 2 * (1e-3 + 2000 / 1e6)  # DiLoCo's full-precision outer round of 1,000 fp32 on 2 ranks: a ring of 2 phases
+    for step_time in (0.1, 1e-4):
+        args = dict(costs=StepCosts(step_time), sync_every=1)
+        in_step, delayed = small_plan(**args), small_plan(**args, sync_delay=1)
+        for name, round_s, calls in (("zero_one_adam", onebit, 1), ("diloco", outer, 3)):
+            saved = in_step[name]["total_time_s"] - delayed[name]["total_time_s"]
+            assert saved == pytest.approx(calls * min(round_s, step_time), rel=1e-9), (name, step_time)
+            assert {k: v for k, v in in_step[name].items() if "time" not in k and "speedup" not in k} == {
+                k: v for k, v in delayed[name].items() if "time" not in k and "speedup" not in k
+            }
+        assert in_step["onebit_adam"] == delayed["onebit_adam"]  # no delayed sync of its own
+
+
 def test_sharded_speedups_are_against_adam_sharded():
     result = small_plan(world_size=4, ranks_per_node=2, costs=StepCosts(0.01), intra_bandwidth_bytes_per_s=1e6)
     adam = result["adam"]["sharded"]["total_time_s"]

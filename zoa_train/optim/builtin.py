@@ -182,12 +182,13 @@ def zero_one_step_kinds(steps: int, lr_schedule: LRSchedule, **schedule_knobs) -
 
 def _plan_zero_one_adam(ctx: PlanContext) -> PlanCounts:
     kinds = {VARIANCE: 0, ONEBIT: 0, LOCAL: 0}
-    max_interval = 0
+    max_interval = delayed = 0
     try:
         decisions = zero_one_step_kinds(ctx.steps, ctx.lr_schedule, **ctx.knobs.schedule_knobs())
         for decision, kind in decisions:
             kinds[kind] += 1
             max_interval = max(max_interval, decision.interval)
+            delayed += kind == ONEBIT and decision.interval > 1 and ctx.knobs.sync_delay > 0  # ZeroOneAdam._step's rule
     except ValueError as e:  # the schedule's own validation of its knobs
         raise UserError(f"{e}.") from e
     synced = kinds[VARIANCE] + kinds[ONEBIT]
@@ -205,6 +206,7 @@ def _plan_zero_one_adam(ctx: PlanContext) -> PlanCounts:
         rounds=synced,
         syncs=synced,
         variance_updates=kinds[VARIANCE],
+        delayed_onebit=delayed,
         extra={"variance_update_bound": variance_update_bound(*ctx.betas), "max_interval": max_interval},
         warning=warning,
     )
@@ -448,8 +450,9 @@ def _plan_diloco(ctx: PlanContext) -> PlanCounts:
             f"(2 ended 8% above Adam on gpt2_tiny; bert_tiny reached Adam's loss with 9, docs/results/baselines.md): {advice}."
         )
     sends = OUTER_COLLECTIVES[k.outer_collective].plan(ctx, outer)
+    delayed = {"delayed_onebit": sends.get("onebit_allreduces", 0), "delayed_parts": True} if k.sync_delay else {}
     return PlanCounts(
-        **{"fp_allreduces": 0, "onebit_allreduces": 0, **sends},
+        **{"fp_allreduces": 0, "onebit_allreduces": 0, **sends, **delayed},
         rounds=rounds,
         syncs=rounds if k.fragments == 1 else 0,
         variance_updates=ctx.steps,

@@ -58,6 +58,10 @@ class PlanCounts:
     variance_updates: int  # |T_v|
     other_allreduces: tuple[Allreduces, ...] = ()  # full-precision allreduces of parts of the model (PowerSGD's factors, DiLoCo's fragments)
     allgathers: tuple[AllGathers, ...] = ()  # messages all-gathered (DiLoCo's top-k outer sync)
+    # Rounds that run behind the next step (sync_delay): how many of the 1-bit allreduces, and whether the
+    # allreduces of parts and the all-gathers (DiLoCo's outer syncs) do.
+    delayed_onebit: int = 0
+    delayed_parts: bool = False
     extra: Mapping[str, Any] = field(default_factory=dict)  # more figures, kept in `plan --json`
     warning: str | None = None  # a setting that defeats the optimizer's purpose on this run, said once
 

@@ -45,9 +45,10 @@ step. The 1-bit optimizers communicate inside `step()`, after backward, unless t
 backward (`StepCosts.overlap`, a recipe's comm.overlap): then each round's transfers are modelled as
 DDP's are, in buckets of `overlap_bucket_bytes` (comm.bucket_cap_mb), and only their exposed part adds
 to the step; the round's work on the ranks (`CallCost.work_seconds`) adds in full, as it competes with
-backward for the ranks (calibrated on CPUs, docs/results/overlap.md). 0/1 Adam's delayed sync
-(optimizer.sync_delay 1) runs each 1-bit round's transfer behind the whole next step: only what
-outlasts the step's compute adds, and the work on the ranks in full.
+backward for the ranks (calibrated on CPUs, docs/results/overlap.md). A delayed sync (optimizer.sync_delay
+1: 0/1 Adam's rounds that close a local-step period, DiLoCo's outer rounds; PlanCounts.delayed_onebit
+and delayed_parts) runs its transfer behind the whole next step: only what outlasts the step's compute
+adds, and its work on the ranks in full.
 Sharded (comm.shard node), each rank's rounds cover its shard among the N ranks that hold it, the
 node's G ranks at once over its link; FSDP2's all-gathers and reduce-scatter inside the node add what
 prefetching cannot hide (`fsdp_step_cost`), and Adam's HSDP all-reduce starts unit by unit in backward
@@ -68,6 +69,7 @@ where a GPU's memory is given. The CUDA context and the allocator's slack are no
 made and freed inside a step.
 """
 
+import dataclasses
 import functools
 import math
 import re
@@ -191,9 +193,20 @@ def _summary(
         **({"warning": counts.warning} if counts.warning else {}),
     }
     if compute_s is not None:
-        total = steps * compute_s + f * fp_step_s + o * (onebit.seconds if onebit_step_s is None else onebit_step_s) + part_seconds
+        d = counts.delayed_onebit
+        onebit_s = (o - d) * (onebit.seconds if onebit_step_s is None else onebit_step_s) + d * _behind_a_step(onebit, compute_s)
+        if counts.delayed_parts:
+            part_seconds = sum(calls * _behind_a_step(cost, compute_s) for calls, cost in part_costs)
+        total = steps * compute_s + f * fp_step_s + onebit_s + part_seconds
         summary |= {"step_time_s": total / steps if steps else 0.0, "total_time_s": total}
     return summary
+
+
+def _behind_a_step(call: CallCost, compute_s: float) -> float:
+    """What a delayed round (sync_delay 1) adds to a step: its transfer runs behind the whole next step,
+    so only what outlasts that step's compute adds; its work on the ranks adds in full, as an
+    overlapped round's does."""
+    return call.work_seconds + max(0.0, call.transfer_seconds - compute_s)
 
 
 def _overlapped_step(cost: Callable[[int], CallCost], num_params: int, costs: StepCosts | None) -> float | None:
@@ -204,16 +217,6 @@ def _overlapped_step(cost: Callable[[int], CallCost], num_params: int, costs: St
         return None
     transfer = exposed_time(num_params, lambda elements: cost(elements).transfer_seconds, costs, costs.overlap_bucket_bytes)
     return transfer + cost(num_params).work_seconds
-
-
-def _delayed_step(cost: Callable[[int], CallCost], num_params: int, costs: StepCosts | None) -> float | None:
-    """What a delayed round (0/1 Adam's sync_delay 1) adds to a step (None: no step time given): its
-    transfer runs behind the whole next step, so only what outlasts that step's compute adds; its work
-    on the ranks adds in full, as an overlapped round's does."""
-    if costs is None:
-        return None
-    call = cost(num_params)
-    return call.work_seconds + max(0.0, call.transfer_seconds - costs.step_time)
 
 
 def _check_arguments(
@@ -330,7 +333,7 @@ def plan(
                 num_params, lambda elements: allreduce_cost(-(-elements // ranks_per_node), element, among, reduce).seconds, costs, 4 * unit[0]
             )
         record = _summary(
-            counts,
+            dataclasses.replace(counts, delayed_onebit=0, delayed_parts=False),  # no delayed sync runs sharded yet
             steps=steps,
             num_params=shard,
             fp=fp,
@@ -348,7 +351,6 @@ def plan(
         return record
 
     overlapped = functools.partial(_overlapped_step, num_params=num_params, costs=costs)
-    delayed = functools.partial(_delayed_step, num_params=num_params, costs=costs)
     result = {}
     for name in registry.names():
         spec = registry.get(name)
@@ -371,7 +373,7 @@ def plan(
                 fp_step_s=(fp.seconds if overlapped(rounds[topology][0]) is None else overlapped(rounds[topology][0]))
                 if spec.uses_collective or costs is None
                 else ddp_exposed_time(num_params, element, cluster, costs),
-                onebit_step_s=delayed(rounds[topology][1]) if getattr(context.knobs, "sync_delay", 0) else overlapped(rounds[topology][1]),
+                onebit_step_s=overlapped(rounds[topology][1]),
             )
             for topology, (fp, onebit) in (topologies.items() if spec.uses_collective else [(base.name, topologies[base.name])])
         }
