@@ -12,13 +12,12 @@ before its inner update (docs/optimizers.md, DiLoCo).
   the uninterrupted run bit for bit.
 """
 
-import copy
 import functools
 
 import pytest
 import torch
-import torch.distributed as dist
 from distributed_harness import run_ranks
+from test_sync_delay import train_delayed
 
 from zoa_train.comm import OneBitAllReduce, TopKAllReduce
 from zoa_train.optim.diloco import DiLoCo
@@ -103,41 +102,7 @@ def test_the_delay_changes_nothing_where_gradients_do_not_depend_on_the_paramete
 
 
 def _real(rank, world_size, case, steps, save_at=None, state=None):
-    """A real model on each rank's own batches: per step whether the anchors agree on every rank, and the
-    final parameters after synchronize(); with `save_at` the states saved after that step."""
-    torch.manual_seed(0)
-    model = Net()
-    opt = _optimizer(model, 1, case)
-    first = 0
-    if state is not None:
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        first = state["step"]
-    anchors_agree, saved = [], None
-    for step in range(first, steps):
-        generator = torch.Generator().manual_seed(100 * step + rank)
-        tokens = torch.randint(0, 10, (8, 6), generator=generator)
-        labels = torch.randint(0, 5, (8,), generator=generator)
-        torch.nn.functional.cross_entropy(model(tokens), labels).backward()
-        opt.step()
-        opt.zero_grad()
-        anchor = torch.cat([group["anchor"] for group in opt._buffers])
-        every = [torch.empty_like(anchor) for _ in range(world_size)]
-        dist.all_gather(every, anchor)
-        anchors_agree.append(all(torch.equal(a, every[0]) for a in every))
-        if step + 1 == save_at:
-            in_flight = opt._in_flight
-            saved = {
-                "model": {k: v.clone() for k, v in model.state_dict().items()},
-                "optimizer": copy.deepcopy(opt.state_dict()),
-                "step": save_at,
-                "in_flight": in_flight,
-            }
-    opt.synchronize()
-    final = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    every = [torch.empty_like(final) for _ in range(world_size)]
-    dist.all_gather(every, final)
-    return final, all(torch.equal(f, every[0]) for f in every), anchors_agree, saved, opt.ledger.summary()
+    return train_delayed(rank, world_size, Net, lambda model: _optimizer(model, 1, case), steps, save_at, state)
 
 
 REAL = ("full in fragments", "topk")  # a pending fragment of several; the outer collective's own buffers

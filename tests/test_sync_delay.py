@@ -107,11 +107,16 @@ def test_the_delay_changes_nothing_where_gradients_do_not_depend_on_the_paramete
 
 
 def _real(rank, world_size, steps, save_at=None, state=None):
-    """A real model on each rank's own batches: per step the anchor gathered from every rank, and the
-    final parameters after synchronize(); with `save_at` the states saved after that step."""
+    return train_delayed(rank, world_size, Net, lambda model: _optimizer(model, 1), steps, save_at, state)
+
+
+def train_delayed(rank, world_size, model_class, make_optimizer, steps, save_at=None, state=None):
+    """A real model (`model_class()`, seeded) with its delayed optimizer (`make_optimizer(model)`) on each
+    rank's own batches: per step whether the anchors agree on every rank, and the final parameters after
+    synchronize(); with `save_at` the states saved after that step (tests/test_diloco_delay.py too)."""
     torch.manual_seed(0)
-    model = Net()
-    opt = _optimizer(model, 1)
+    model = model_class()
+    opt = make_optimizer(model)
     first = 0
     if state is not None:
         model.load_state_dict(state["model"])
