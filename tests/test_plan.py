@@ -343,6 +343,14 @@ def test_a_delayed_round_adds_only_what_outlasts_the_next_step():
                 k: v for k, v in delayed[name].items() if "time" not in k and "speedup" not in k
             }
         assert in_step["onebit_adam"] == delayed["onebit_adam"]  # no delayed sync of its own
+    # Sharded inside the node: the same rounds over the shard, hidden behind the step as far as it lasts.
+    for step_time in (0.1, 1e-4):
+        args = dict(world_size=4, ranks_per_node=2, costs=StepCosts(step_time), sync_every=1, intra_bandwidth_bytes_per_s=1e15)  # FSDP2 adds no time
+        in_step, delayed = small_plan(**args), small_plan(**args, sync_delay=1)
+        for name, calls in (("zero_one_adam", 1), ("diloco", 3)):
+            saved = in_step[name]["sharded"]["total_time_s"] - delayed[name]["sharded"]["total_time_s"]
+            assert 0 < saved <= calls * step_time * (1 + 1e-6), (name, step_time)
+            assert in_step[name]["sharded"]["rounds"] == delayed[name]["sharded"]["rounds"]
 
 
 def test_sharded_speedups_are_against_adam_sharded():

@@ -6,7 +6,8 @@ runs behind the next step's forward and backward and lands at the next step() be
   buckets and node-aware on 2 x 2; so the only effect of the delay is where the next gradient is taken;
 - with a real model: deterministic, the anchor (the point of the last applied sync) identical on every
   rank after every step, the parameters identical after synchronize(), and a resume from a state saved
-  with a round in flight continues the uninterrupted run bit for bit.
+  with a round in flight continues the uninterrupted run bit for bit;
+- sharded inside the node (FSDP2, 2 nodes x 2 ranks), 0/1 Adam and DiLoCo: the same, on the shards.
 """
 
 import copy
@@ -19,7 +20,9 @@ from distributed_harness import run_ranks
 
 from zoa_train.comm import ClusterCollective, OneBitAllReduce
 from zoa_train.comm.buckets import BucketedCollective
+from zoa_train.comm.sharding import local_shard, shard_model
 from zoa_train.optim import ZeroOneAdam
+from zoa_train.optim.diloco import DiLoCo
 
 # variance steps (dense, then every other), 1-bit syncs before and after the freeze, local steps
 SCHEDULE = dict(var_freeze_step=8, var_update_scaler=2, local_steps="fixed", local_step_interval=3)
@@ -175,3 +178,67 @@ def test_a_delay_the_optimizer_cannot_run_is_refused():
     overlapped = functools.partial(BucketedCollective, inner=OneBitAllReduce, overlap=True)
     with pytest.raises(ValueError, match="comm.overlap false"):
         _optimizer(Net(), 1, overlapped)
+
+
+def _sharded(rank, world_size, steps, save_at):
+    """2 nodes x 2 ranks, sharded inside the node (FSDP2), each delayed optimizer with its in-step twin:
+    fixed gradients in both; then a real backward delayed, saved after `save_at` with a round in flight
+    and resumed from there. The shards after synchronize()."""
+    from test_sharded import Blocks, _batch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    makers = {
+        "zero_one_adam": lambda params, delay: ZeroOneAdam(
+            params, lr=3e-3, weight_decay=0.01, process_group=mesh.get_group("node"), sync_delay=delay, **SCHEDULE
+        ),
+        "diloco": lambda params, delay: DiLoCo(params, lr=3e-3, weight_decay=0.01, sync_every=4, process_group=mesh.get_group("node"), sync_delay=delay),
+    }
+
+    def train(name, delay, real, state=None):
+        torch.manual_seed(0)
+        model = shard_model(Blocks(), mesh["local"])
+        opt = makers[name](list(model.parameters()), delay)
+        first, kinds, saved = 0, [], None
+        if state is not None:
+            model.load_state_dict(state["model"])
+            opt.load_state_dict(state["optimizer"])
+            first = save_at
+        for step in range(first, steps):
+            if real:
+                x, y = _batch(rank, step)
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            else:  # the same on every run, whatever the parameters
+                generator = torch.Generator().manual_seed(100 * step + rank)
+                for p in model.parameters():
+                    p.grad = DTensor.from_local(torch.randn(local_shard(p).shape, generator=generator), p.device_mesh, p.placements)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            kinds.append(opt.last_step.kind)
+            if real and step + 1 == save_at:
+                in_flight = opt._in_flight  # before state_dict(), which waits for the round
+                saved = {"model": copy.deepcopy(model.state_dict()), "optimizer": copy.deepcopy(opt.state_dict()), "in_flight": in_flight}
+        opt.synchronize()
+        return [local_shard(p).detach().clone() for p in model.parameters()], opt.ledger.summary(), kinds, saved
+
+    runs = {}
+    for name in makers:
+        in_step, fixed, real = train(name, 0, False), train(name, 1, False), train(name, 1, True)
+        runs[name] = in_step, fixed, real, train(name, 1, True, real[3])
+    return runs
+
+
+@pytest.mark.slow
+def test_sharded_inside_the_node_the_delay_changes_nothing_where_gradients_do_not_depend_on_the_parameters_and_resumes_exactly():
+    ranks = run_ranks(_sharded, 4, 20, 11, sharded=True)  # 0/1 Adam's 11th step syncs (its round in flight when saved), DiLoCo's 12th
+    for name in ("zero_one_adam", "diloco"):
+        for rank in ranks:
+            (shards0, ledger0, kinds0, _), (shards1, ledger1, kinds1, _), real, resumed = rank[name]
+            assert kinds0 == kinds1 and ledger0 == ledger1, name
+            assert all(torch.equal(a, b) for a, b in zip(shards0, shards1)), name
+            assert all(torch.equal(a, b) for a, b in zip(real[0], resumed[0])) and real[1] == resumed[1], name
+        for a, b in ((0, 2), (1, 3)):  # a real backward, delayed: the nodes hold the same shards after synchronize()
+            assert all(torch.equal(p, q) for p, q in zip(ranks[a][name][2][0], ranks[b][name][2][0])), name
+    assert set(ranks[0]["zero_one_adam"][0][2]) == {"v", "s", "l"}
+    assert ranks[0]["zero_one_adam"][2][3]["in_flight"]

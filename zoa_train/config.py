@@ -424,8 +424,6 @@ def _check(recipe: Recipe, origin: str) -> None:
     if recipe.comm.shard == "node":
         _check_sharding(recipe, origin)
     if o.name in ("zero_one_adam", "diloco") and o.sync_delay:
-        if recipe.comm.shard == "node":
-            raise UserError(f"{origin}: optimizer.sync_delay 1 does not run sharded yet; set it to 0 or comm.shard none.")
         if recipe.comm.overlap:
             rounds = "1-bit round" if o.name == "zero_one_adam" else "outer round"
             raise UserError(

@@ -165,9 +165,21 @@ class CommThread:
 
 
 def duplicate_group(group):
-    """A new process group of the same ranks as `group` (None: the world): a collective over them."""
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    return dist.new_group(ranks)
+    """A new process group of the same ranks as `group` (None: the world). A collective over the world:
+    torch makes a group only where every rank makes it, so where ranks hold different groups (the ranks
+    of one shard on each node, comm.shard node) every rank makes all of them, in one order."""
+    world = dist.get_world_size()
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world))
+    if len(ranks) == world:
+        return dist.new_group(ranks)
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, ranks)
+    mine = None
+    for members in sorted(set(map(tuple, everyone))):
+        made = dist.new_group(list(members))
+        if members == tuple(ranks):
+            mine = made
+    return mine
 
 
 class BucketedCollective:

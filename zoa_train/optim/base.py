@@ -265,8 +265,6 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         self._round_thread = None
         round_group = self.process_group
         if self.sync_delay and self.world_size > 1:
-            if self.shard_group is not None:
-                raise ValueError(f"{type(self).__name__}: sync_delay does not run with sharded parameters yet; use sync_delay 0")
             round_group = duplicate_group(self.process_group)
             self._round_thread = CommThread(device, self.ledger)
             weakref.finalize(self, self._round_thread.close)

@@ -69,7 +69,6 @@ where a GPU's memory is given. The CUDA context and the allocator's slack are no
 made and freed inside a step.
 """
 
-import dataclasses
 import functools
 import math
 import re
@@ -333,7 +332,7 @@ def plan(
                 num_params, lambda elements: allreduce_cost(-(-elements // ranks_per_node), element, among, reduce).seconds, costs, 4 * unit[0]
             )
         record = _summary(
-            dataclasses.replace(counts, delayed_onebit=0, delayed_parts=False),  # no delayed sync runs sharded yet
+            counts,
             steps=steps,
             num_params=shard,
             fp=fp,
