@@ -2,6 +2,7 @@
 
 import gc
 import os
+import pickle
 import socket
 import tempfile
 import time
@@ -46,7 +47,15 @@ def leftover_gloo_threads(grace_s: float = 10.0) -> list[str]:
     return names
 
 
-def _child(rank: int, world_size: int, port: int, outdir: str, fn, args, sharded: bool) -> None:
+def _child(rank: int, world_size: int, port: int, outdir: str, call: bytes, sharded: bool, env: dict, cwd: str) -> None:
+    # A fork server's child has the server's environment and directory, not the test's: a test that set a
+    # variable (TRITON_INTERPRET, CXX) or changed directory expects its ranks to see it, as spawned ones did.
+    # The function and its arguments are unpickled only then, since unpickling imports their modules, and
+    # some read the environment when imported (Triton's kernels decide there whether they are interpreted).
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    fn, args = pickle.loads(call)
     torch.set_num_threads(1)
     try:
         init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
@@ -65,13 +74,26 @@ def _child(rank: int, world_size: int, port: int, outdir: str, fn, args, sharded
         raise
 
 
+def _context():
+    """Ranks forked from a server that has imported torch (and torch._dynamo, which init_process_group
+    imports) once: a tenth of a second each instead of a spawned interpreter's four seconds. Importing
+    torch._dynamo imports Triton, whose library functions are compiled or interpreted as TRITON_INTERPRET
+    says at that moment: ranks that need the interpreter are spawned (and the server never sees it)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo"])
+    return ctx
+
+
 def run_ranks(fn, world_size: int, *args, timeout: float = 300.0, sharded: bool = False) -> list:
     """fn(rank, world_size, *args) on each rank; returns the list of results ordered by rank.
     `sharded`: fn shards a model with FSDP2 (see _child)."""
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = free_port()
+    env, cwd, call = dict(os.environ), os.getcwd(), pickle.dumps((fn, args))
     with tempfile.TemporaryDirectory() as outdir:
-        procs = [ctx.Process(target=_child, args=(r, world_size, port, outdir, fn, args, sharded)) for r in range(world_size)]
+        procs = [ctx.Process(target=_child, args=(r, world_size, port, outdir, call, sharded, env, cwd)) for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:
