@@ -343,6 +343,7 @@ def rank_main(rank: int, tmp: str, device_name: str, quick: bool) -> None:
     parts = {
         "allreduce": lambda: allreduce_on_rank(rank, device),
         "zero_one": lambda: zero_one_on_rank(rank, device),
+        "delayed": lambda: [zero_one_fixed_gradients(rank, device, delay) for delay in (0, 1)],
         "ops": lambda: ops_on_rank(device, quick),
     }
     results = {}
@@ -449,6 +450,25 @@ def cuda_launches(call) -> dict:
     }
 
 
+def zero_one_fixed_gradients(rank: int, device: torch.device, sync_delay: int) -> tuple[str, torch.Tensor]:
+    """ZeroOneAdam with `sync_delay` on gradients that depend on the step and the rank only: (the step
+    kinds, the parameters after synchronize()). A delayed round runs on its own thread and, on CUDA, its
+    own stream while the next step runs on the default one: the delayed run must still equal the in-step
+    one bit for bit (docs/algorithm.md, "Delayed sync")."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).to(device)
+    optimizer = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2, local_steps="fixed", local_step_interval=3, sync_delay=sync_delay)
+    kinds = ""
+    for step in range(ZERO_ONE_STEPS):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g).to(device)
+        optimizer.step()
+        kinds += optimizer.last_step.kind
+    optimizer.synchronize()
+    return kinds, torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu()
+
+
 def check_ranks(device: torch.device, quick: bool) -> None:
     kind = device.type
     names = [
@@ -456,6 +476,7 @@ def check_ranks(device: torch.device, quick: bool) -> None:
         f"1-bit allreduce: every rank holds the same average, on {kind} and on the CPU",
         f"ZeroOneAdam on {kind}, {RANKS} Gloo ranks: parameters bit-identical across ranks after every sync",
         f"1-bit call of BERT-Large{f' / {QUICK_SCALE}' if quick else ''} on {kind}: ops per call within the design's bound",
+        f"ZeroOneAdam's delayed sync on {kind}, {RANKS} Gloo ranks: equals the in-step run bit for bit where gradients do not depend on the parameters",
     ]
     start, error = time.perf_counter(), "no result"
     with tempfile.TemporaryDirectory() as tmp:
@@ -467,7 +488,7 @@ def check_ranks(device: torch.device, quick: bool) -> None:
         files = [Path(tmp, f"rank{r}.pt") for r in range(RANKS)]
         ranks = [torch.load(f) if f.exists() else {} for f in files]
     print(f"      ({RANKS} ranks started and run in {time.perf_counter() - start:.1f} s)", flush=True)
-    finished = {part for part in ("allreduce", "zero_one", "ops") if all(part in rank for rank in ranks)}
+    finished = {part for part in ("allreduce", "zero_one", "ops", "delayed") if all(part in rank for rank in ranks)}
     if "allreduce" in finished:
         report_allreduce(names[0], names[1], device, [r["allreduce"] for r in ranks])
     else:
@@ -481,6 +502,14 @@ def check_ranks(device: torch.device, quick: bool) -> None:
         report_ops(names[3], device, ranks[0]["ops"])
     else:
         report(names[3], False, error)
+    if "delayed" in finished:
+        pairs = [r["delayed"] for r in ranks]
+        kinds = pairs[0][0][0]
+        same = all(in_step[0] == delayed[0] and torch.equal(in_step[1], delayed[1]) for in_step, delayed in pairs)
+        together = all(torch.equal(pairs[0][1][1], pair[1][1]) for pair in pairs)
+        report(names[4], same and together and {"v", "s", "l"} <= set(kinds), f"steps {kinds}; ranks {'equal' if together else 'NOT equal'} after synchronize()")
+    else:
+        report(names[4], False, error)
 
 
 def report_allreduce(equal_name: str, ranks_name: str, device: torch.device, ranks: list[dict]) -> None:
