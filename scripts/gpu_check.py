@@ -457,7 +457,9 @@ def zero_one_fixed_gradients(rank: int, device: torch.device, sync_delay: int) -
     one bit for bit (docs/algorithm.md, "Delayed sync")."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Tanh(), torch.nn.Linear(64, 4)).to(device)
-    optimizer = ZeroOneAdam(model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2, local_steps="fixed", local_step_interval=3, sync_delay=sync_delay)
+    optimizer = ZeroOneAdam(
+        model.parameters(), lr=1e-2, var_freeze_step=6, var_update_scaler=2, local_steps="fixed", local_step_interval=3, sync_delay=sync_delay
+    )
     kinds = ""
     for step in range(ZERO_ONE_STEPS):
         g = torch.Generator().manual_seed(100 * step + rank)
@@ -507,7 +509,9 @@ def check_ranks(device: torch.device, quick: bool) -> None:
         kinds = pairs[0][0][0]
         same = all(in_step[0] == delayed[0] and torch.equal(in_step[1], delayed[1]) for in_step, delayed in pairs)
         together = all(torch.equal(pairs[0][1][1], pair[1][1]) for pair in pairs)
-        report(names[4], same and together and {"v", "s", "l"} <= set(kinds), f"steps {kinds}; ranks {'equal' if together else 'NOT equal'} after synchronize()")
+        report(
+            names[4], same and together and {"v", "s", "l"} <= set(kinds), f"steps {kinds}; ranks {'equal' if together else 'NOT equal'} after synchronize()"
+        )
     else:
         report(names[4], False, error)
 
