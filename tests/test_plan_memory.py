@@ -60,8 +60,7 @@ def planned(world_size: int, ranks_per_node: int = 1, **more) -> dict:
         ranks_per_node=ranks_per_node,
         param_shapes=shapes,
         param_names=tuple(name for name, _ in named),
-        **PLAN_KNOBS,
-        **more,
+        **{**PLAN_KNOBS, **more},
     )
 
 
@@ -155,6 +154,30 @@ def test_two_ranks_hold_what_plan_says():
         for name, record in result.items():
             assert found[name] == expected(record["memory_per_rank"]), name
     assert result["zero_one_adam"]["memory_per_rank"]["scratch"] > 0 and result["powersgd"]["memory_per_rank"]["state_buffers"]["powersgd_p"] > 0
+
+
+def _diloco_in_flight(rank: int, world_size: int, knobs: dict) -> int:
+    """The most bytes of pseudo-gradient a delayed full-precision DiLoCo holds after a step (its outer
+    round in flight), over a period of every fragment's outer step."""
+    model = tiny_gpt2()
+    optimizer = SimpleNamespace(**vars(section("diloco")) | knobs)
+    trained = registry.create(optimizer, model, torch.device("cpu"), world_size)
+    most = 0
+    for t in range(knobs["sync_every"] + 1):
+        tokens = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1000 * rank + t))
+        trained.zero_grad()
+        model(tokens, labels=tokens).loss.backward()
+        trained.step()
+        most = max(most, sum(nbytes(g) for _, flats in trained.optimizer._pending for g in flats))
+    trained.optimizer.synchronize()
+    return most
+
+
+def test_a_delayed_outer_round_holds_its_fragment_s_pseudo_gradient_as_plan_says():
+    knobs = {"outer_collective": "full", "sync_every": 3, "fragments": 2, "sync_delay": 1}
+    record = planned(2, **knobs)["diloco"]["memory_per_rank"]
+    assert planned(2, **knobs | {"sync_delay": 0})["diloco"]["memory_per_rank"]["state_buffers"].keys() == record["state_buffers"].keys() - {"pseudo_gradient"}
+    assert run_ranks(_diloco_in_flight, 2, knobs) == [record["state_buffers"]["pseudo_gradient"]] * 2
 
 
 @pytest.mark.slow

@@ -21,7 +21,7 @@ from zoa_train.comm import registry as collectives
 from zoa_train.comm.topk import TOPK_STATE, topk_buffers, topk_layout, topk_wire
 from zoa_train.errors import UserError
 from zoa_train.optim.adam import DataParallelAdam
-from zoa_train.optim.diloco import DiLoCo, OuterSchedule
+from zoa_train.optim.diloco import DiLoCo, OuterSchedule, fragment_of
 from zoa_train.optim.lr_schedules import LRSchedule
 from zoa_train.optim.onebit_adam import OneBitAdam
 from zoa_train.optim.powersgd import PowerSGDHook, powersgd_elements
@@ -476,7 +476,13 @@ def _memory_diloco(ctx: MemoryContext) -> MemoryCounts | None:
         padded, comm = ctx.padded(), ctx.collective(ctx.sizes)
     if k.outer_collective != "full":
         buffers.append("pseudo_gradient")
-    return MemoryCounts({**fp32(**dict.fromkeys(buffers, padded)), **comm.state}, comm.scratch)
+    state = fp32(**dict.fromkeys(buffers, padded))
+    if k.outer_collective == "full" and k.sync_delay and ctx.world_size > 1:
+        # A delayed outer round holds its fragment's pseudo-gradient through the next step (in step it
+        # is a moment's temporary): the largest fragment's.
+        numels = [n for sizes in ctx.sizes for n in sizes]
+        state |= fp32(pseudo_gradient=max(sum(n for n, f in zip(numels, fragment_of(numels, k.fragments)) if f == g) for g in range(k.fragments)))
+    return MemoryCounts({**state, **comm.state}, comm.scratch)
 
 
 def _note_diloco(record: dict) -> str:

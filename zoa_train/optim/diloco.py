@@ -41,6 +41,16 @@ from zoa_train.optim.base import DataParallelOptimizer
 from zoa_train.step_kinds import LOCAL, OUTER
 
 
+def fragment_of(numels: list[int], fragments: int) -> list[int]:
+    """The fragment of each parameter (their element counts in model order): the one its first
+    element falls in when the elements are cut into `fragments` runs of equal length."""
+    total, before, where = sum(numels), 0, []
+    for n in numels:
+        where.append(min(fragments - 1, before * fragments // max(total, 1)))
+        before += n
+    return where
+
+
 @dataclass
 class OuterSchedule:
     """Which fragments take their outer step at which step, and how many steps each has gone without."""
@@ -143,12 +153,8 @@ class DiLoCo(DataParallelOptimizer):
         for flat, buffers in zip(self._flat, self._buffers):
             if flat.numel:
                 entries += zip(flat.params, flat.views(buffers["anchor"]), flat.views(buffers["outer_momentum"]))
-        total = sum(p.numel() for p, _, _ in entries)
         cut = [{"params": [], "anchor": [], "momentum": []} for _ in range(fragments)]
-        before = 0
-        for p, anchor, momentum in entries:
-            f = min(fragments - 1, before * fragments // max(total, 1))  # the fragment the parameter's first element falls in
-            before += p.numel()
+        for f, (p, anchor, momentum) in zip(fragment_of([p.numel() for p, _, _ in entries], fragments), entries):
             for name, tensor in zip(("params", "anchor", "momentum"), (p, anchor, momentum)):
                 cut[f][name].append(tensor)
         empty = [f for f, fragment in enumerate(cut) if not fragment["params"]]
