@@ -481,7 +481,10 @@ def _memory_diloco(ctx: MemoryContext) -> MemoryCounts | None:
         # A delayed outer round holds its fragment's pseudo-gradient through the next step (in step it
         # is a moment's temporary): the largest fragment's.
         numels = [n for sizes in ctx.sizes for n in sizes]
-        state |= fp32(pseudo_gradient=max(sum(n for n, f in zip(numels, fragment_of(numels, k.fragments)) if f == g) for g in range(k.fragments)))
+        per_fragment = [0] * k.fragments
+        for n, f in zip(numels, fragment_of(numels, k.fragments)):
+            per_fragment[f] += n
+        state |= fp32(pseudo_gradient=max(per_fragment))
     return MemoryCounts({**state, **comm.state}, comm.scratch)
 
 
