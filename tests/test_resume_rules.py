@@ -80,6 +80,7 @@ LEAVES_TRAINING = {
             "train.val_every",
             "train.checkpoint_every",
             "train.keep_checkpoints",
+            "train.elastic",  # one rank's parameters never differ: its checkpoints are where they were
             "train.activation_checkpointing",  # the same arithmetic, recomputed in backward
             "train.peak_tflops",
             "comm.topology",

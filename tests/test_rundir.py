@@ -113,6 +113,22 @@ def test_auto_resume_skips_a_damaged_newest_checkpoint(tmp_path, caplog, damage)
         run.check("auto", False, 1)
 
 
+def test_an_auto_reshard_falls_back_to_the_newest_synchronised_checkpoint_and_refuses_when_there_is_none(tmp_path, caplog):
+    run = RunDirectory(tmp_path)
+    run.save(4, 0, 1, {}, {"model.pt": {}}, keep=5)
+    synced = run.save(6, 0, 1, {}, {"model.pt": {}}, keep=5)
+    run.save(8, 0, 1, {}, {"model.pt": {}}, keep=5, synced=False)  # inside a local-step period: not reshardable
+    _flip_byte(synced / "model.pt")  # a damaged one is skipped too
+    assert run.check("auto", False, 1).name == "step_00000008"  # at its own world size the newest, as always
+    with caplog.at_level("WARNING"):
+        assert run.check("auto", False, 2, reshard=True).name == "step_00000004"
+    assert "the newest checkpoint, step_00000008, was taken" in caplog.text and "step_00000004 (4 steps earlier)" in caplog.text
+    alone = RunDirectory(tmp_path / "alone")
+    alone.save(8, 0, 1, {}, {"model.pt": {}}, keep=5, synced=False)
+    with pytest.raises(UserError, match="cannot reshard checkpoint .*step_00000008"):
+        alone.check("auto", False, 2, reshard=True)
+
+
 def test_explicit_resume_of_a_damaged_checkpoint_names_the_file(tmp_path):
     run = RunDirectory(tmp_path)
     saved = _save(run, 4)

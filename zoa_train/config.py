@@ -148,6 +148,11 @@ class TrainConfig:
     val_batches: int = 8
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
+    # What a resume at another world size does (a node lost or added under torchrun's elastic agent, a
+    # Slurm job requeued on the nodes it has): off refuses it unless --reshard; reshard continues there on
+    # its own, from the newest checkpoint taken at a synchronised step, and takes the periodic checkpoints
+    # at synchronised steps (docs/faults.md, "Elastic: a node leaves, the run goes on").
+    elastic: Literal["off", "reshard"] = "off"
     # Recompute each block's activations in backward instead of keeping them (torch's non-reentrant
     # checkpoint, per block of the model registry's ModelSpec.blocks): none, full (every block) or
     # selective (every other block: about half the saving for a quarter of the recompute).

@@ -107,10 +107,11 @@ def init_process_group(backend: str | None = None, timeout_s: float | None = Non
     if timeout_s is not None:
         kwargs["timeout"] = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
-        if restart_count() and not {"init_method", "store"} & kwargs.keys():
+        if restart_count() and shares_agent_store() and not {"init_method", "store"} & kwargs.keys():
             # torch elastic's c10d rendezvous keeps one TCP store for every attempt, and the group's
             # keys are the same in each: a restarted rank could read a dead rank's address from the
-            # attempt before and fail to connect. Each attempt gets keys of its own.
+            # attempt before and fail to connect. Each attempt gets keys of its own. (Without the shared
+            # store, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, every attempt's rank 0 starts a store of its own.)
             from torch.distributed.rendezvous import rendezvous
 
             store, rank, world = next(rendezvous("env://", timeout=kwargs.get("timeout", timedelta(minutes=30))))
@@ -124,6 +125,12 @@ def restart_count() -> int:
     restarted this rank's worker group: 0 on the first attempt and outside torch elastic."""
     count = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return int(count) if count.isdigit() else 0
+
+
+def shares_agent_store() -> bool:
+    """Whether this rank's process group meets in the TCP store that torch elastic's agents keep for every
+    attempt (their default), rather than in a store of this attempt's own."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
 
 
 def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):

@@ -10,11 +10,28 @@ import torch
 
 from zoa_train import console
 from zoa_train.config import check_batch_layout, load_recipe
-from zoa_train.distributed import STOP_SIGNALS, LauncherSignalled, RankFailed, cluster_environment, launch_local
+from zoa_train.distributed import STOP_SIGNALS, LauncherSignalled, RankFailed, cluster_environment, launch_local, shares_agent_store
 from zoa_train.errors import UserError
 from zoa_train.files import check_directory, dumps_json
 from zoa_train.train.rundir import RunDirectory
 from zoa_train.train.trainer import EXIT_PREEMPTED, CollectiveTimeout, run_rank
+
+
+def check_elastic_launch(overwrite: bool) -> None:
+    """What train.elastic reshard needs of torchrun: its agents start the ranks again with the same command line
+    whenever a node leaves or joins (the restart count rises only after a failure), so the command must
+    resume rather than empty the run directory, and each attempt needs a store of its own (an agent that
+    joins later counts its attempts from 0)."""
+    if overwrite:
+        raise UserError(
+            "train.elastic reshard under torchrun: the agents start the ranks again with the same command line whenever a node joins, "
+            "and --overwrite would empty the run directory each time; pass --resume auto instead (it starts at step 0 where there is no checkpoint)."
+        )
+    if shares_agent_store():
+        raise UserError(
+            "train.elastic reshard under torchrun needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in the agents' environment, so that each "
+            "attempt's ranks meet in a store of their own; with the agents' shared store a node that joins later would not find the others."
+        )
 
 
 def train_recipe(
@@ -31,6 +48,8 @@ def train_recipe(
         raise UserError(
             "--max-restarts restarts ranks that zoa-train run starts itself; under torchrun pass --max-restarts to torchrun (a restarted rank resumes by itself), under srun let Slurm requeue the job."
         )
+    if config.train.elastic == "reshard" and "TORCHELASTIC_RUN_ID" in os.environ and cluster_environment() == "torchrun":
+        check_elastic_launch(overwrite)
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc must be at least 1, not {nproc}.")
     if cluster_environment() is None:

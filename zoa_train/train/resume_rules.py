@@ -66,7 +66,7 @@ RULES: dict[str, Rule] = {
         ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.precision", "train.grad_clip", "train.skip_nonfinite", "train.nproc"]
     ),
     **dict.fromkeys(["train.backend", "train.timeout_s", "train.log_every", "train.val_every", "train.val_batches", "train.checkpoint_every"]),
-    **dict.fromkeys(["train.keep_checkpoints", "train.activation_checkpointing", "train.compile", "train.peak_tflops"]),
+    **dict.fromkeys(["train.keep_checkpoints", "train.activation_checkpointing", "train.compile", "train.peak_tflops", "train.elastic"]),
     "train.seed": _SEED,
     **dict.fromkeys(["comm.topology", "comm.ranks_per_node", "comm.bucket_cap_mb", "comm.overlap", "comm.shard", "comm.kernels"]),
     **dict.fromkeys(["logging.wandb", "logging.tensorboard", "logging.project", "imports"]),

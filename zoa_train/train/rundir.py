@@ -331,6 +331,29 @@ class RunDirectory:
             log.warning("skipping damaged checkpoint %s (%s); trying the previous complete one", checkpoint, problem)
         return None
 
+    def _reshardable(self, newest: Path, world_size: int) -> Path:
+        """`newest`, or where it was written by another number of ranks inside a local-step period (which
+        cannot be resharded) the newest intact checkpoint before it taken at a synchronised step, with a
+        warning; `newest` itself when there is none (check_resumable then refuses it)."""
+        marker = read_marker(newest)
+        if marker["world_size"] == world_size or marker.get("synced") != 0:
+            return newest
+        earlier = [c for c in complete_checkpoints(self.checkpoints) if c.name < newest.name]
+        for checkpoint in reversed(earlier):
+            if read_marker(checkpoint).get("synced") != 0 and verify_checkpoint(checkpoint) is None:
+                log.warning(
+                    "resharding from %d to %d ranks: the newest checkpoint, %s, was taken %s, so the run continues from "
+                    "the newest one taken at a synchronised step, %s (%d steps earlier)",
+                    marker["world_size"],
+                    world_size,
+                    newest.name,
+                    _unsynced_words(newest),
+                    checkpoint.name,
+                    marker["step"] - read_marker(checkpoint)["step"],
+                )
+                return checkpoint
+        return newest
+
     def _check_arguments(self, resume: str | None, overwrite: bool) -> None:
         if resume and overwrite:
             raise UserError("--resume and --overwrite cannot be used together.")
@@ -353,6 +376,8 @@ class RunDirectory:
                         f"every complete checkpoint under {self.checkpoints} is damaged (see the warnings above): "
                         "resume from a copy of an intact one or pass --overwrite to start again."
                     )
+                if target is not None and reshard:
+                    target = self._reshardable(target, world_size)
             else:
                 target = Path(resume)
             if target is not None:
@@ -401,6 +426,20 @@ class RunDirectory:
         if decision[1] is not None:
             raise UserError(decision[1])
         return Path(decision[0]) if decision[0] is not None else None
+
+    def last_record(self) -> tuple[dict, float] | None:
+        """The last record of metrics.jsonl and when the file was last written (seconds since the epoch),
+        or None: where a run that died had got to."""
+        metrics = self.path / METRICS
+        lines = metrics.read_text().splitlines() if metrics.is_file() else []
+        last = next((line for line in reversed(lines) if line.strip()), None)
+        if last is None:
+            return None
+        try:
+            record = json.loads(last)
+        except json.JSONDecodeError:  # a line torn by the failure
+            return None
+        return (record, metrics.stat().st_mtime) if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
     def trim_metrics(self, step: int) -> None:
         """Drop the records logged after `step`: a run that died after its last checkpoint logged

@@ -183,7 +183,8 @@ def rank_seed(seed: int, rank: int) -> int:
 
 class Trainer:
     def __init__(self, recipe: Recipe, run_dir: Path, resume: str | None = None, overwrite: bool = False, reshard: bool = False):
-        self.recipe, self.reshard = recipe, reshard
+        # train.elastic reshard: a resume at another world size (a node lost or added) needs no --reshard
+        self.recipe, self.reshard = recipe, reshard or recipe.train.elastic == "reshard"
         t = recipe.train
         self.device = init_process_group(None if t.backend == "auto" else t.backend, timeout_s=t.timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -191,7 +192,7 @@ class Trainer:
         torch.set_num_threads(threads_per_rank(self.world))
         self.accum = check_batch_layout(recipe, self.world)
         self.run_dir = RunDirectory(run_dir)
-        checkpoint = self.run_dir.prepare(resume, overwrite, self.world, self.rank, reshard)
+        checkpoint = self.run_dir.prepare(resume, overwrite, self.world, self.rank, self.reshard)
         self._previous_handlers = {}
         self.stop_requested = False
         try:
@@ -244,6 +245,7 @@ class Trainer:
         self.skipped_nonfinite = 0
         self.first_nonfinite = self._step_tensor(self._NONE)
         self.stop_requested, self.stop_at = False, None
+        self.save_due: int | None = None  # train.elastic: the step a periodic checkpoint fell due at, until it is taken
         self.phase = "set-up"
         self.recipe_changes: list[dict] = []  # keys changed on resumes, each with the step it took effect at (resume_rules.py)
         if threading.current_thread() is threading.main_thread():
@@ -261,6 +263,9 @@ class Trainer:
                 log.warning("restart %d after a rank failed: every rank resumed from %s (step %d)", restart_count(), checkpoint, self.step)
         elif resume:
             log.info("no complete checkpoint in %s: starting from step 0", self.run_dir.checkpoints)
+        # a restart after a failure (torch elastic) or a resume at another world size (a node left or joined)
+        rejoined = restart_count() > 0 or (checkpoint is not None and read_marker(checkpoint)["world_size"] != self.world)
+        before = self.run_dir.last_record() if self.is_main and rejoined else None  # where the attempt before got to
         if self.is_main and resume:  # the records logged after the checkpoint are logged again
             self.run_dir.trim_metrics(self.step)
         if self.is_main:
@@ -272,6 +277,26 @@ class Trainer:
                 changes.unlink(missing_ok=True)
             self.task.save_artifacts(self.run_dir.path)
         self.metrics = MetricsLogger(self.run_dir.path, recipe, t.steps, self.step, self.is_main)
+        if self.is_main and rejoined:
+            self._log_membership(checkpoint, before)
+
+    def _log_membership(self, checkpoint: Path | None, before: tuple[dict, float] | None) -> None:
+        """One metrics record for a restart after a failure or a resume at another world size: at the step it
+        resumed from, the ranks now and before (the checkpoint's), torch elastic's restarts after failures so
+        far, and what the change cost: the steps and samples trained again and the seconds they had taken,
+        and the seconds from the last record before to this resume (seeing the failure, stopping, the
+        rendezvous, starting, loading)."""
+        record = {"step": self.step, "world_size": self.world, "restarts": restart_count()}
+        if checkpoint is not None:
+            record["world_size_before"] = read_marker(checkpoint)["world_size"]
+        if before is not None:
+            last, written = before
+            redone = max(0, last["step"] - self.step)
+            record |= {"steps_redone": redone, "samples_redone": redone * self.recipe.train.global_batch_size}
+            if "wall_time" in last:
+                record["seconds_redone"] = round(max(0.0, last["wall_time"] - self.wall_offset), 3)
+            record["seconds_down"] = round(max(0.0, time.time() - written), 3)
+        self.metrics.log(record)
 
     def _warn_about_the_plan(self, recipe: Recipe) -> None:
         """Say once (rank 0) what the optimizer's plan for this run warns of, e.g. 0/1 Adam's lr policy
@@ -331,6 +356,8 @@ class Trainer:
             if record:
                 self.metrics.log({"step": self.step, **record, "wall_time": time.perf_counter() - started})
             if saving:
+                if stopping and t.elastic == "reshard" and self.opt.parameters_differ:
+                    self.opt.synchronize()  # a stop is how torchrun changes membership: its checkpoint must reshard
                 self.wall_offset = time.perf_counter() - started
                 self.save()
             if stopping:
@@ -351,8 +378,22 @@ class Trainer:
         return last or bool(every and self.step % every == 0)
 
     def should_save(self, last: bool) -> bool:
-        every = self.recipe.train.checkpoint_every
-        return last or bool(every and self.step % every == 0)
+        t = self.recipe.train
+        due = bool(t.checkpoint_every and self.step % t.checkpoint_every == 0)
+        if last or t.elastic == "off":
+            return last or due
+        # elastic: a periodic checkpoint waits for a synchronised step, as only those reshard; the ranks
+        # sync within max_steps_apart steps (0/1 Adam's period, DiLoCo's outer step), else the trainer syncs them
+        if due and self.save_due is None:
+            self.save_due = self.step
+        if self.save_due is None:
+            return False
+        if self.opt.parameters_differ:
+            if self.step - self.save_due < self.opt.max_steps_apart:
+                return False
+            self.opt.synchronize()
+        self.save_due = None
+        return True
 
     def train_step(self) -> tuple[torch.Tensor, float, str] | None:
         """Forward and backward over the step's micro-batches, then the optimizer step: this rank's
