@@ -114,7 +114,7 @@ def main() -> None:
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{port}",
             "--rdzv-id=node-churn",
-            f"--rdzv-conf=is_host={str(host).lower()},last_call_timeout=3",
+            f"--rdzv-conf=is_host={str(host).lower()},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
             f"--max-restarts={args.max_restarts}",
             "--monitor-interval=0.5",
             "-m",

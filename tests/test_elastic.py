@@ -58,7 +58,7 @@ def agent(nproc: int, hosts_store: bool, port: int, run_dir: Path, cache_dir: Pa
         f"--rdzv-endpoint=127.0.0.1:{port}",
         "--rdzv-id=elastic-test",
         # the first agent holds the store (its death would end the rendezvous); a round closes 3 s after it has its minimum
-        f"--rdzv-conf=is_host={str(hosts_store).lower()},last_call_timeout=3",
+        f"--rdzv-conf=is_host={str(hosts_store).lower()},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
         "--max-restarts=1",
         "--monitor-interval=0.5",
         "-m",

@@ -199,8 +199,12 @@ def test_a_killed_rank_restarts_every_rank_from_the_last_checkpoint_and_ends_on_
     # The latest complete checkpoint when it died (step 12's may have been in the making when step 12 was logged).
     assert 4 * ((killed_at - 1) // 4) <= step <= killed_at + 4
     print(f"killed at step {killed_at} (rank 0's last log), resumed from step {step}: {killed_at - step} steps of work lost")
-    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == list(range(1, 31))  # the restart's rows replace those past the checkpoint
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 31))  # the restart's rows replace those past the checkpoint
+    # and one record says what the failure cost
+    assert [{k: r[k] for k in ("step", "world_size", "world_size_before", "restarts")} for r in records if "world_size" in r] == [
+        {"step": step, "world_size": 2, "world_size_before": 2, "restarts": 1}
+    ]
     final = torch.load(run_dir / "checkpoints" / "step_00000030" / "model.pt")
     assert all(torch.equal(uninterrupted[k], final[k]) for k in uninterrupted)
 

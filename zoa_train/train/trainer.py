@@ -90,7 +90,9 @@ def run_rank(recipe_dict: dict, run_dir: str, resume: str | None, overwrite: boo
         _store_set(_FAILURE_KEY, str(e))
         return {"user_error": str(e)}
     except RuntimeError as e:
-        message = _store_get(_FAILURE_KEY, wait_s=5.0)
+        # A rank that refused something left its sentence before it exited (which is what broke this rank's
+        # collective), so a short wait finds it; a lost node leaves none, and every second here delays the restart.
+        message = _store_get(_FAILURE_KEY, wait_s=1.0)
         if message is not None:
             return {"user_error": message, "another_rank": True}
         if "Timed out" in str(e) and trainer is not None:  # Gloo; NCCL's watchdog names the collective itself
@@ -263,8 +265,9 @@ class Trainer:
                 log.warning("restart %d after a rank failed: every rank resumed from %s (step %d)", restart_count(), checkpoint, self.step)
         elif resume:
             log.info("no complete checkpoint in %s: starting from step 0", self.run_dir.checkpoints)
-        # a restart after a failure (torch elastic) or a resume at another world size (a node left or joined)
-        rejoined = restart_count() > 0 or (checkpoint is not None and read_marker(checkpoint)["world_size"] != self.world)
+        # a restart after a failure (torch elastic), or an elastic run's resume at another world size (a node left or joined)
+        resized = checkpoint is not None and read_marker(checkpoint)["world_size"] != self.world
+        rejoined = restart_count() > 0 or (resized and t.elastic == "reshard")
         before = self.run_dir.last_record() if self.is_main and rejoined else None  # where the attempt before got to
         if self.is_main and resume:  # the records logged after the checkpoint are logged again
             self.run_dir.trim_metrics(self.step)
@@ -281,7 +284,7 @@ class Trainer:
             self._log_membership(checkpoint, before)
 
     def _log_membership(self, checkpoint: Path | None, before: tuple[dict, float] | None) -> None:
-        """One metrics record for a restart after a failure or a resume at another world size: at the step it
+        """One metrics record for a restart after a failure or an elastic run's resume at another world size: at the step it
         resumed from, the ranks now and before (the checkpoint's), torch elastic's restarts after failures so
         far, and what the change cost: the steps and samples trained again and the seconds they had taken,
         and the seconds from the last record before to this resume (seeing the failure, stopping, the
