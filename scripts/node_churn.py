@@ -54,15 +54,45 @@ def wait_for(metrics: Path, step: int, first: subprocess.Popen) -> None:
         time.sleep(0.05)
 
 
-def kill_node(agent: subprocess.Popen) -> None:
-    """SIGKILL to the agent and its ranks at once (torch elastic starts each rank in a session of its own)."""
+# Each attempt's ranks meet in a store of their own (what train.elastic reshard requires of torchrun).
+AGENT_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+def agent_command(nproc: int, hosts_store: bool, port: int, max_restarts: int, run_args: list[str]) -> list[str]:
+    """One node's torchrun: an elastic agent of 1 to 2 nodes meeting at a c10d rendezvous on this machine,
+    running `zoa-train run RUN_ARGS`. The first agent holds the store (its death would end the rendezvous);
+    a round closes 3 s after it has its minimum, and an agent silent for 3 s is dropped."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1:2",
+        f"--nproc-per-node={nproc}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{port}",
+        "--rdzv-id=node-churn",
+        f"--rdzv-conf=is_host={str(hosts_store).lower()},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
+        f"--max-restarts={max_restarts}",
+        "--monitor-interval=0.5",
+        "-m",
+        "zoa_train.cli",
+        "run",
+        *run_args,
+    ]
+
+
+def kill_node(agent: subprocess.Popen) -> list[int]:
+    """SIGKILL to the agent and its ranks at once (torch elastic starts each rank in a session of its own);
+    returns the processes killed, the agent first."""
     ranks = subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
-    for pid in [agent.pid, *map(int, ranks)]:
+    killed = [agent.pid, *map(int, ranks)]
+    for pid in killed:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     agent.wait()
+    return killed
 
 
 def main() -> None:
@@ -105,30 +135,10 @@ def main() -> None:
         raise SystemExit(f"{run_dir} exists: give another --out")
 
     def agent(nproc: int, host: bool, log: str) -> subprocess.Popen:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes=1:2",
-            f"--nproc-per-node={nproc}",
-            "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}",
-            "--rdzv-id=node-churn",
-            f"--rdzv-conf=is_host={str(host).lower()},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
-            f"--max-restarts={args.max_restarts}",
-            "--monitor-interval=0.5",
-            "-m",
-            "zoa_train.cli",
-            "run",
-            *common,
-            "--out",
-            str(run_dir),
-            "--resume",  # torchrun starts the ranks again with this command line whenever a node joins
-            "auto",
-        ]
-        env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # each attempt's ranks meet in a store of their own
+        # --resume auto: torchrun starts the ranks again with this command line whenever a node joins
+        command = agent_command(nproc, host, port, args.max_restarts, [*common, "--out", str(run_dir), "--resume", "auto"])
         with open(args.out / log, "a") as sink:
-            return subprocess.Popen(command, cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+            return subprocess.Popen(command, cwd=ROOT, env={**os.environ, **AGENT_ENV}, stdout=sink, stderr=subprocess.STDOUT)
 
     started = time.perf_counter()
     first = agent(args.first, True, "first.log")

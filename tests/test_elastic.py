@@ -3,7 +3,6 @@ goes on at the new world size on its own (docs/faults.md, "Elastic: a node leave
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,9 @@ from test_faults import wait_for_step
 from zoa_train.train.rundir import complete_checkpoints, read_marker
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from node_churn import AGENT_ENV, agent_command, kill_node  # noqa: E402  (the torchrun agents the script starts)
+
 STEPS = 48
 
 
@@ -47,30 +49,9 @@ def sets(cache_dir: Path) -> list[str]:
 
 
 def agent(nproc: int, hosts_store: bool, port: int, run_dir: Path, cache_dir: Path) -> list[str]:
-    """One node's torchrun: an elastic agent of 1 to 2 nodes meeting at a c10d rendezvous on this machine."""
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes=1:2",
-        f"--nproc-per-node={nproc}",
-        "--rdzv-backend=c10d",
-        f"--rdzv-endpoint=127.0.0.1:{port}",
-        "--rdzv-id=elastic-test",
-        # the first agent holds the store (its death would end the rendezvous); a round closes 3 s after it has its minimum
-        f"--rdzv-conf=is_host={str(hosts_store).lower()},last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3",
-        "--max-restarts=1",
-        "--monitor-interval=0.5",
-        "-m",
-        "zoa_train.cli",
-        "run",
-        "recipes/gpt2_tiny.yaml",
-        "--out",
-        str(run_dir),
-        "--resume",  # the first start too (at step 0): torchrun starts the ranks again with this command line whenever a node joins
-        "auto",
-        *sets(cache_dir),
-    ]
+    """One node's torchrun, as scripts/node_churn.py starts it; --resume auto at the first start too (at step 0):
+    torchrun starts the ranks again with this command line whenever a node joins."""
+    return agent_command(nproc, hosts_store, port, 1, ["recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--resume", "auto", *sets(cache_dir)])
 
 
 @pytest.mark.parametrize(
@@ -98,16 +79,12 @@ def test_a_node_lost_under_torchrun_continues_on_the_survivors_from_a_synchronis
     assert whole.returncode == 0, whole.stderr[-3000:]
 
     run_dir, port = tmp_path / "run", free_port()
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # each attempt's ranks meet in a store of their own
+    env = {**os.environ, **AGENT_ENV}
     first = subprocess.Popen(agent(2, True, port, run_dir, cache_dir), cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     second = subprocess.Popen(agent(1, False, port, run_dir, cache_dir), cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         killed_at = wait_for_step(first, run_dir / "metrics.jsonl", 20)
-        # the node is lost: its agent and its rank at once (torch elastic starts each rank in a session of its own)
-        ranks = subprocess.run(["pgrep", "-P", str(second.pid)], capture_output=True, text=True).stdout.split()
-        assert len(ranks) == 1
-        for pid in [second.pid, *map(int, ranks)]:
-            os.kill(pid, signal.SIGKILL)
+        assert len(kill_node(second)) == 2  # the node is lost: its agent and its one rank at once
         _, stderr = first.communicate(timeout=300)
     finally:
         for process in (first, second):
