@@ -266,8 +266,8 @@ class Trainer:
         elif resume:
             log.info("no complete checkpoint in %s: starting from step 0", self.run_dir.checkpoints)
         # a restart after a failure (torch elastic), or an elastic run's resume at another world size (a node left or joined)
-        resized = checkpoint is not None and read_marker(checkpoint)["world_size"] != self.world
-        rejoined = restart_count() > 0 or (resized and t.elastic == "reshard")
+        saved_world = read_marker(checkpoint)["world_size"] if checkpoint is not None else None
+        rejoined = restart_count() > 0 or (saved_world not in (None, self.world) and t.elastic == "reshard")
         before = self.run_dir.last_record() if self.is_main and rejoined else None  # where the attempt before got to
         if self.is_main and resume:  # the records logged after the checkpoint are logged again
             self.run_dir.trim_metrics(self.step)
@@ -281,17 +281,17 @@ class Trainer:
             self.task.save_artifacts(self.run_dir.path)
         self.metrics = MetricsLogger(self.run_dir.path, recipe, t.steps, self.step, self.is_main)
         if self.is_main and rejoined:
-            self._log_membership(checkpoint, before)
+            self._log_membership(saved_world, before)
 
-    def _log_membership(self, checkpoint: Path | None, before: tuple[dict, float] | None) -> None:
+    def _log_membership(self, saved_world: int | None, before: tuple[dict, float] | None) -> None:
         """One metrics record for a restart after a failure or an elastic run's resume at another world size: at the step it
         resumed from, the ranks now and before (the checkpoint's), torch elastic's restarts after failures so
         far, and what the change cost: the steps and samples trained again and the seconds they had taken,
         and the seconds from the last record before to this resume (seeing the failure, stopping, the
         rendezvous, starting, loading)."""
         record = {"step": self.step, "world_size": self.world, "restarts": restart_count()}
-        if checkpoint is not None:
-            record["world_size_before"] = read_marker(checkpoint)["world_size"]
+        if saved_world is not None:  # the checkpoint's
+            record["world_size_before"] = saved_world
         if before is not None:
             last, written = before
             redone = max(0, last["step"] - self.step)
