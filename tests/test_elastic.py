@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import refused, zoa, zoa_here
 from distributed_harness import free_port
-from test_faults import wait_for_step
+from test_faults import signal_the_ranks, thirty_steps, wait_for_step
 
 from zoa_train.train.rundir import complete_checkpoints, read_marker
 
@@ -120,3 +120,29 @@ def test_a_node_lost_under_torchrun_continues_on_the_survivors_from_a_synchronis
     print(f"killed at step {killed_at}; resumed on 2 ranks from step {restart['step']}: {restart}")
     print(f"final validation loss {lost:.4f} against {uninterrupted:.4f} uninterrupted on 3 ranks ({(lost / uninterrupted - 1) * 100:+.2f}%)")
     assert abs(lost / uninterrupted - 1) < 0.05
+
+
+@pytest.mark.slow  # two runs of 2 ranks and 1
+def test_an_elastic_run_s_stop_checkpoint_is_synchronised_and_continues_at_another_world_size(tmp_path, cache_dir):
+    # Local-step periods of 16 after the freeze at step 2: a stop near step 3 falls inside one, where the ranks'
+    # parameters differ. torchrun stops the ranks so when a node joins; the checkpoint must then reshard.
+    args = thirty_steps(cache_dir, "optimizer.local_step_interval=16", "train.elastic=reshard", "train.global_batch_size=32", "train.micro_batch_size=8")
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen(
+        [sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for_step(run, run_dir / "metrics.jsonl", 3)
+    signal_the_ranks(run)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 75, stderr[-3000:]
+    (checkpoint,) = (run_dir / "checkpoints").iterdir()
+    step = read_marker(checkpoint)["step"]
+    kinds = {r["step"]: r["step_kinds"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())}
+    assert kinds[step] == "l" and read_marker(checkpoint)["synced"] == 1  # stopped after a local step, and synchronised for it
+    resumed = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--resume", "auto", "--nproc", "1", *args)
+    assert resumed.returncode == 0 and f"resharding {checkpoint} from 2 to 1 ranks" in resumed.stderr, resumed.stderr[-3000:]
+    assert read_marker(run_dir / "checkpoints" / "step_00000030")["world_size"] == 1

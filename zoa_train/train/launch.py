@@ -50,6 +50,7 @@ def train_recipe(
         )
     if config.train.elastic == "reshard" and "TORCHELASTIC_RUN_ID" in os.environ and cluster_environment() == "torchrun":
         check_elastic_launch(overwrite)
+    reshard = reshard or config.train.elastic == "reshard"  # a resume at another world size is the recipe's to allow
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc must be at least 1, not {nproc}.")
     if cluster_environment() is None:
