@@ -13,8 +13,9 @@ import torch.distributed as dist
 from distributed_harness import run_ranks
 
 from zoa_train.comm import ClusterCollective, OneBitAllReduce, TopologyChanged
-from zoa_train.comm.buckets import BucketedCollective, plan_buckets
+from zoa_train.comm.buckets import BucketedCollective, TensorOrder, plan_buckets
 from zoa_train.comm.ledger import CommLedger
+from zoa_train.comm.sharding import gradient_order
 from zoa_train.optim import OneBitAdam, ZeroOneAdam
 
 CAP_MB = 4096 * 4 / 2**20  # buckets of at most 4,096 elements: several per group in the model below
@@ -34,6 +35,30 @@ def test_buckets_hold_whole_tensors_of_one_group_in_reverse_order():
     assert [layout.offsets for layout in one.layouts] == [(500, 0), (0,)] and [layout.padded for layout in one.layouts] == [800, 7]
     buffers = [torch.randn(800), torch.randn(7)]
     assert all(torch.equal(a, b) for a, b in zip(one.op([b.clone() for b in buffers]), buffers))
+
+
+def test_an_order_cuts_buckets_by_its_sizes_and_starts_them_when_their_last_tensor_is_ready():
+    sizes = [[3000, 10, 5000, 2000], [10, 10]]
+    # three units: tensors (0, 3) and (1, 1) ready first, then (0, 1) and (0, 2), then (0, 0) and (1, 0)
+    order = TensorOrder(sizes, [[2, 1, 1, 0], [2, 0]])
+    buckets = plan_buckets(sizes, 2, 4096, 1024, order)
+    assert [(b.group, b.tensors) for b in buckets] == [(0, [3]), (0, [2]), (1, [1, 0]), (0, [1, 0])]
+    # the cap counts the order's sizes (a whole tensor's, twice a shard's here); the layouts the tensors' own
+    doubled = TensorOrder([[2 * n for n in group] for group in sizes], [[0] * len(group) for group in sizes])
+    buckets = plan_buckets(sizes, 2, 4096, 1024, doubled)
+    assert [(b.group, b.tensors) for b in buckets] == [(1, [1, 0]), (0, [3]), (0, [2]), (0, [1]), (0, [0])]
+    assert buckets[-1].layout.numel == 3000
+    with pytest.raises(ValueError, match="every tensor of every group"):
+        plan_buckets(sizes, 2, 4096, 1024, TensorOrder(sizes, [[0], [0]]))
+
+
+def test_gradient_order_puts_the_last_block_first_and_the_model_s_own_tensors_last():
+    model = Net()
+    groups = [{"params": [p for p in model.parameters() if p.dim() == 2]}, {"params": [p for p in model.parameters() if p.dim() < 2]}]
+    order = gradient_order(model, groups)
+    assert order.sizes == [[p.numel() for p in g["params"]] for g in groups]
+    # embed, hidden.0-2, extra, head weights; then their biases with the norm's weight and bias
+    assert order.ready == [[3, 2, 1, 0, 3, 3], [3, 2, 1, 0, 3, 3, 3, 3]]
 
 
 class Net(torch.nn.Module):

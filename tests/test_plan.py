@@ -426,6 +426,25 @@ def test_overlapped_rounds_add_only_what_backward_does_not_hide():
     assert quarter["adam"]["total_time_s"] == long_plain["adam"]["total_time_s"]  # DDP's own buckets, as before
 
 
+def test_sharded_overlapped_rounds_carry_each_bucket_s_shard_and_add_only_what_backward_does_not_hide():
+    """Sharded on 2 x 2 with comm.overlap, buckets of a quarter of the (whole) model: each bucket's round
+    carries the node's shards of it (125 of its 250 elements per rank among the 2 nodes, the node's 2
+    ranks sharing its 1 MB/s link), and behind a long backward only the last bucket's transfer is exposed,
+    with all the encoding of a rank's 500-element shard. What is sent does not change."""
+    args = dict(world_size=4, ranks_per_node=2, intra_bandwidth_bytes_per_s=1e15)  # FSDP2 adds no time
+    plain = small_plan(**args, costs=StepCosts(10.0, backward_fraction=0.5, compress_rate=1e5))
+    quarter = small_plan(**args, costs=StepCosts(10.0, backward_fraction=0.5, compress_rate=1e5, overlap=True, overlap_bucket_bytes=1000))
+    among = Cluster(2, 1, bandwidth=0.5e6, latency=1e-3)
+    last_fp = 2e-3 + ring_allreduce_bytes(125, 4, 2) / 0.5e6
+    last_onebit = flat_onebit_cost(125, among).seconds
+    onebit = quarter["onebit_adam"]["sharded"]
+    assert onebit["total_time_s"] == pytest.approx(3 * 10.0 + last_fp + 2 * (last_onebit + 500 / 1e5), rel=1e-6)
+    for name in ("onebit_adam", "zero_one_adam"):
+        assert quarter[name]["sharded"]["comm_time_s"] == plain[name]["sharded"]["comm_time_s"]
+        assert quarter[name]["sharded"]["total_time_s"] < plain[name]["sharded"]["total_time_s"]
+    assert quarter["adam"]["sharded"] == plain["adam"]["sharded"]  # HSDP's own units, as before
+
+
 def test_the_reduction_rate_prices_the_elements_each_rank_sends_in_full_precision():
     """Besides its transfer, a full-precision collective costs the elements a rank sends / reduce_rate:
     a ring on 2 ranks sends the 1,000 elements once (every fp32 step of the self-syncing optimizers,

@@ -11,6 +11,7 @@ scale. update_clip scales each tensor by its RMS, summed over shards in another 
 to rounding (test_update_clip_sees_whole_tensors).
 """
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -21,10 +22,13 @@ import torch.distributed as dist
 from conftest import refused, zoa, zoa_here
 from distributed_harness import run_ranks
 
-from zoa_train.comm.sharding import local_shard, shard_model
+from zoa_train.comm import OneBitAllReduce
+from zoa_train.comm.buckets import BucketedCollective
+from zoa_train.comm.sharding import gradient_order, local_shard, shard_model
 from zoa_train.evaluation.checkpoints import load_language_model
 from zoa_train.optim import OneBitAdam, ZeroOneAdam
 from zoa_train.optim.diloco import DiLoCo
+from zoa_train.optim.training import parameter_groups
 from zoa_train.step_kinds import LOCAL, ONEBIT, VARIANCE
 from zoa_train.train.checkpointer import read_whole
 from zoa_train.train.rundir import file_digest, read_manifest, verify_checkpoint
@@ -118,6 +122,94 @@ def test_update_clip_sees_whole_tensors():
         assert max(ranks[rank][0]) < 1e-6, ranks[rank][0]
 
 
+# ---- rounds started during backward, as FSDP2 reduces each block --------------------------------------
+
+
+class Tower(torch.nn.Module):
+    """Blocks with biases and norms between an input layer and a norm and head of their own (FSDP2's root
+    unit, reduced last); the head's 5 rows shard unequally (3 and 2) over a node's two ranks."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(WIDTH, WIDTH)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.LayerNorm(WIDTH)) for _ in range(3))
+        self.norm = torch.nn.LayerNorm(WIDTH)
+        self.head = torch.nn.Linear(WIDTH, 5)
+        self.started: list[int] = []  # per backward, the buckets started when it reached the embedding's output
+
+    def forward(self, x, opt):
+        h = self.embed(x)
+        if h.requires_grad:
+            h.register_hook(lambda grad: self.started.append(opt._next_span))
+        for layer in self.layers:
+            h = torch.tanh(layer(h)) + h
+        return self.head(self.norm(h))
+
+
+# a cap of 8,492 elements: the head's shard (384 or 256 elements) and the last block's weight (8,192) fit in one
+# bucket on one of a node's ranks and not on the other, when the cap counts shards
+SHARD_CAP_MB = 8492 * 4 / 2**20
+
+
+def _overlapped_on_the_node(rank, world_size, name):
+    """2 nodes x 2 ranks sharded, bucketed by gradient_order: in step(), then overlapped; and bucketed
+    by the shards' own sizes, refused."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = shard_model(Tower(), mesh["local"])
+        groups = parameter_groups(model, 0.01)
+        factory = functools.partial(BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=SHARD_CAP_MB, overlap=overlap, order=gradient_order(model, groups))
+        if name == "zero_one_adam":  # update_clip sums norms over the node's shards in each bucket's hook
+            knobs = dict(var_freeze_step=10, var_update_scaler=2, local_steps="fixed", local_step_interval=3, update_clip=0.05)
+            opt = ZeroOneAdam(groups, lr=0.01, process_group=mesh.get_group("node"), collective=factory, **knobs)
+        else:
+            opt = OneBitAdam(groups, lr=0.01, freeze_step=5, process_group=mesh.get_group("node"), collective=factory)
+        steps = []
+        for t in range(16):
+            x, y = _batch(rank, t)
+            torch.nn.functional.mse_loss(model(x, opt), y[:, :5]).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            steps.append(([local_shard(p).clone() for p in model.parameters()], opt.last_step.kind, opt.last_step.bits_per_param))
+        buckets = [(b.group, b.tensors, b.layout.numel) for b in opt.collective.buckets]
+        runs[overlap] = steps, model.started, buckets
+    torch.manual_seed(0)
+    model = shard_model(Tower(), mesh["local"])
+    factory = functools.partial(BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=SHARD_CAP_MB)
+    try:
+        ZeroOneAdam(parameter_groups(model, 0.01), process_group=mesh.get_group("node"), collective=factory)
+        refusal = None
+    except ValueError as error:
+        refusal = str(error)
+    return runs, refusal
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["zero_one_adam", "onebit_adam"])
+def test_rounds_started_as_fsdp2_reduces_each_block_equal_the_same_buckets_in_step(name):
+    ranks = run_ranks(_overlapped_on_the_node, 4, name, sharded=True)
+    for rank, (runs, refusal) in enumerate(ranks):
+        (plain, _, buckets), (overlapped, started, _) = runs[False], runs[True]
+        for t, (a, b) in enumerate(zip(plain, overlapped)):
+            assert all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and a[1:] == b[1:], f"rank {rank} step {t}: overlapped differs"
+        # the blocks' weights first, a bucket each; the root unit's tensors (all of group 1's bucket holds some) last
+        assert [bucket[:2] for bucket in buckets] == [(0, [3]), (0, [2]), (0, [1]), (1, [9, 8, 7, 6, 5, 4, 3, 2, 1, 12, 11, 10, 0]), (0, [4]), (0, [0])]
+        # every block's bucket had started when backward reached the embedding's output, before FSDP2 reduced the root unit
+        assert max(started) == 3, started
+        assert "cut different buckets" in refusal, refusal
+    kinds = "".join(kind for _, kind, _ in ranks[0][0][True][0])
+    assert ONEBIT in kinds and (name == "onebit_adam" or LOCAL in kinds), kinds
+    for a, b in ((0, 2), (1, 3)):  # the nodes' shards equal after every sync
+        for t, ((mine, kind, _), (theirs, _, _)) in enumerate(zip(ranks[a][0][True][0], ranks[b][0][True][0])):
+            if kind != LOCAL:
+                assert all(torch.equal(x, y) for x, y in zip(mine, theirs)), f"ranks {a} and {b} differ after step {t}"
+    assert [bucket[:2] for bucket in ranks[0][0][False][2]] == [bucket[:2] for bucket in ranks[1][0][False][2]]  # cut alike on the node
+
+
 # ---- through the trainer: 4 ranks as 2 emulated nodes of 2 ------------------------------------------
 
 SHARDED = ("train.nproc=4", "comm.ranks_per_node=2", "comm.shard=node", "train.micro_batch_size=8")
@@ -147,10 +239,13 @@ def _as_written_before_model_shards(run_dir, step: int, out):
 
 @pytest.mark.slow
 def test_a_sharded_run_resumes_exactly_inside_a_local_period_and_reshards_at_a_sync(tmp_path, cache_dir):
-    knobs = _short(cache_dir, 8, "train.checkpoint_every=4", "optimizer.var_freeze_step=2", "optimizer.local_steps=fixed", "optimizer.local_step_interval=3")
+    # rounds started during backward as FSDP2 reduces each block (unclipped: clipping would keep them in step())
+    local = ("optimizer.var_freeze_step=2", "optimizer.local_steps=fixed", "optimizer.local_step_interval=3")
+    knobs = _short(cache_dir, 8, "train.checkpoint_every=4", *local, "comm.overlap=true", "train.grad_clip=0")
     first = tmp_path / "first"
     done = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(first), *knobs)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "flat 1-bit sync of each shard, buckets of 100 MB overlapped with backward" in done.stdout, done.stdout
     records = _metrics(first)
     assert records[-1]["rounds"] < 8 and records[-1]["intra_bytes_sent"] > 0  # local steps; FSDP2's traffic counted inside the node
     second = tmp_path / "second"
@@ -220,7 +315,6 @@ def test_adam_and_diloco_sharded_resume_exactly(tmp_path, cache_dir, name, knobs
     "setting,fragment",
     [
         ("optimizer.name=powersgd", "takes adam, onebit_adam, zero_one_adam, diloco"),
-        ("comm.overlap=true", "comm.overlap false"),
         ("comm.topology=hierarchical", "comm.topology auto or flat"),
         ("train.precision=fp16", "not fp16"),
     ],

@@ -178,8 +178,9 @@ class CommConfig:
     # bucketing is a change of layout: a resume refuses it, --reshard restarts the error buffers.
     bucket_cap_mb: float = 0.0
     # Start each bucket's round during backward, as soon as its gradients are final (buckets of
-    # 100 MB when bucket_cap_mb is 0). Off for a run whose gradients change after backward
-    # (train.grad_clip, fp16 loss scaling, train.skip_nonfinite): its rounds start in step().
+    # 100 MB when bucket_cap_mb is 0; with comm.shard node, as FSDP2 reduces each block's gradients).
+    # Off for a run whose gradients change after backward (train.grad_clip, fp16 loss scaling,
+    # train.skip_nonfinite): its rounds start in step().
     overlap: bool = False
     # node: shard the model, its gradients and optimizer state over each node's ranks (FSDP2) and
     # send only the shard between nodes (docs/algorithm.md, "Sharded inside the node"); none: every
@@ -445,10 +446,6 @@ def _check_sharding(recipe: Recipe, origin: str) -> None:
     c, o = recipe.comm, recipe.optimizer
     if not registry.get(o.name).shardable:
         raise UserError(f"{origin}: optimizer.name {o.name} does not train sharded; comm.shard node takes {', '.join(registry.shardable_names())}.")
-    if c.overlap or c.bucket_cap_mb:
-        raise UserError(
-            f"{origin}: comm.shard node starts the rounds in step(), without buckets (FSDP2 overlaps its own collectives inside the node); set comm.overlap false and comm.bucket_cap_mb 0."
-        )
     if c.topology != collectives.AUTO and collectives.get(c.topology).node_aware:
         raise UserError(
             f"{origin}: comm.shard node sends each shard between nodes already (the node-aware sync's inter-node part); set comm.topology auto or flat."

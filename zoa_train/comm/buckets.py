@@ -70,26 +70,44 @@ class Bucket:
         return self.layout.numel
 
 
-def plan_buckets(sizes: Sequence[Sequence[int]], world_size: int, cap_elements: int, scale_row: int) -> list[Bucket]:
+class TensorOrder(NamedTuple):
+    """How `plan_buckets` cuts and orders buckets, per parameter group and tensor: `sizes`, the elements
+    the cap counts (the whole tensor's where each rank holds a shard, so that a node's ranks cut alike),
+    and `ready`, when its gradient is final in backward (smaller first; ties in reverse listing)."""
+
+    sizes: Sequence[Sequence[int]]
+    ready: Sequence[Sequence[int]]
+
+
+def plan_buckets(sizes: Sequence[Sequence[int]], world_size: int, cap_elements: int, scale_row: int, order: TensorOrder | None = None) -> list[Bucket]:
     """Buckets of whole tensors, each from one group, in the order their gradients are expected to be
-    final: the tensors of all groups in reverse order (the groups' tensors taken as listed, group after
-    group), each group's run cut when it would pass `cap_elements` (a larger tensor is a bucket alone),
-    and the buckets in the order of their earliest-listed tensor, latest first."""
-    order = [(g, i) for g, group in enumerate(sizes) for i in range(len(group))][::-1]
+    final: by default the tensors of all groups in reverse order (the groups' tensors taken as listed,
+    group after group), or as `order` says. Walking the tensors in that order, each group's run is cut
+    when it would pass `cap_elements` (a larger tensor is a bucket alone); buckets are started in the
+    order their last tensor is reached, as that is when they are complete."""
+    listed = [(g, i) for g, group in enumerate(sizes) for i in range(len(group))]
+    counted = sizes
+    if order is None:
+        walk = listed[::-1]
+    else:
+        if [len(g) for g in order.sizes] != [len(g) for g in sizes] or [len(g) for g in order.ready] != [len(g) for g in sizes]:
+            raise ValueError("a TensorOrder must give a size and a readiness for every tensor of every group")
+        counted = order.sizes
+        position = {t: n for n, t in enumerate(listed)}
+        walk = sorted(listed, key=lambda t: (order.ready[t[0]][t[1]], -position[t]))
+    reached = {t: n for n, t in enumerate(walk)}
     open_runs: dict[int, list[int]] = {}
     runs: list[tuple[int, list[int]]] = []
-    for g, i in order:
+    for g, i in walk:
         run = open_runs.get(g)
-        if run and sum(sizes[g][j] for j in run) + sizes[g][i] > cap_elements:
+        if run and sum(counted[g][j] for j in run) + counted[g][i] > cap_elements:
             runs.append((g, run))
             run = None
         if run is None:
             run = open_runs[g] = []
         run.append(i)
     runs += [(g, run) for g, run in open_runs.items() if run]
-    # a bucket is complete when its earliest-listed tensor is: start them in that order
-    first = {g: sum(len(group) for group in sizes[:g]) for g in range(len(sizes))}
-    runs.sort(key=lambda r: -(first[r[0]] + min(r[1])))
+    runs.sort(key=lambda r: max(reached[(r[0], i)] for i in r[1]))
     buckets, ends = [], [0] * len(sizes)
     for index, (g, run) in enumerate(runs):
         layout = onebit_layout([sizes[g][i] for i in run], world_size, scale_row)
@@ -192,7 +210,9 @@ class BucketedCollective:
     for the optimizers is `functools.partial(BucketedCollective, inner=..., bucket_cap_mb=...,
     overlap=...)`. `start_exchange`/`start_allreduce` start one bucket's round, `wait` finishes all
     that were started; `exchange`, `op` and `allreduce` are the synchronous Collective calls,
-    bucket by bucket.
+    bucket by bucket. `order` (TensorOrder) cuts and orders the buckets by when backward finishes each
+    tensor's gradient; for parameters sharded by FSDP2 it is needed, since the node's ranks must cut
+    alike (zoa_train.comm.sharding.gradient_order).
     """
 
     def __init__(
@@ -206,6 +226,7 @@ class BucketedCollective:
         bucket_cap_mb: float = BUCKET_CAP_MB,
         overlap: bool = False,
         scale_row: int = SCALE_ROW,
+        order: TensorOrder | None = None,
     ):
         if not 0 < bucket_cap_mb < float("inf"):
             raise ValueError(f"bucket_cap_mb must be positive, got {bucket_cap_mb}")
@@ -216,8 +237,9 @@ class BucketedCollective:
         self.bucket_cap_mb = bucket_cap_mb
         sizes = [[s] if isinstance(s, int) else list(s) for s in buffer_sizes(sizes)]
         # Before duplicate_group, which every rank must call: one all-gather for every bucket's collective.
-        check_same_on_every_rank("BucketedCollective", group, sizes, {"bucket_cap_mb": bucket_cap_mb, "overlap": overlap, "scale_row": scale_row})
-        self.buckets = plan_buckets(sizes, self.world_size, max(1, int(bucket_cap_mb * 2**20 // 4)), self.scale_row)
+        settings = {"bucket_cap_mb": bucket_cap_mb, "overlap": overlap, "scale_row": scale_row}
+        check_same_on_every_rank("BucketedCollective", group, sizes, settings, layout=order)
+        self.buckets = plan_buckets(sizes, self.world_size, max(1, int(bucket_cap_mb * 2**20 // 4)), self.scale_row, order)
         self.layouts: list[GroupLayout] = []
         for g, group_sizes in enumerate(sizes):
             offsets = [0] * len(group_sizes)

@@ -1,15 +1,18 @@
 """The collective of a recipe's comm section: the registered collective that comm.topology names, on the
 nodes found at run time, in buckets where comm.bucket_cap_mb or comm.overlap ask for them."""
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from zoa_train.comm import registry as collectives
 from zoa_train.comm.agreement import check_same_on_every_rank, checked_by_caller
-from zoa_train.comm.buckets import BUCKET_CAP_MB, BucketedCollective
+from zoa_train.comm.buckets import BUCKET_CAP_MB, BucketedCollective, TensorOrder
 from zoa_train.comm.collectives import group_size_rank
 from zoa_train.comm.kernels import CHOICES, select_kernels
 from zoa_train.comm.layout import buffer_sizes, collective_device
+from zoa_train.comm.protocol import CollectiveFactory
 from zoa_train.comm.topology import NodeGroups, choose, describe, discover_nodes, node_groups
 from zoa_train.errors import UserError
 
@@ -91,3 +94,20 @@ class ClusterCollective:
                 return inner(sizes, group=group, device=device, ledger=ledger)
             self.chosen += f", buckets of {self.bucket_cap_mb:g} MB{' overlapped with backward' if self.overlap else ''}"
             return BucketedCollective(sizes, group, device, ledger, inner=inner, bucket_cap_mb=self.bucket_cap_mb, overlap=self.overlap)
+
+
+def shard_collective(topology: str, kernels: str, bucket_cap_mb: float, overlap: bool, order: TensorOrder) -> tuple[CollectiveFactory, str]:
+    """The collective of comm.shard node, which exchanges each rank's shard among the ranks that hold it
+    on the other nodes: comm.topology's (the registry's default for auto), in buckets cut and started
+    in `order` (zoa_train.comm.sharding.gradient_order: alike on a node's ranks, each started as FSDP2
+    reduces its unit's gradients with `overlap`) where `bucket_cap_mb` or `overlap` ask for them
+    (100 MB buckets when bucket_cap_mb is 0). Returns it and what it is, in words, for the run's log."""
+    spec = collectives.for_shards(topology)
+    inner = spec.build(collectives.Settings(kernels))
+    if not (bucket_cap_mb or overlap):
+        return inner, f"{spec.name} 1-bit sync of each shard"
+    if not spec.bucketed:
+        raise UserError(f"comm.topology {spec.name} does not run in buckets; set comm.bucket_cap_mb 0 and comm.overlap false.")
+    cap = bucket_cap_mb or BUCKET_CAP_MB
+    factory = functools.partial(BucketedCollective, inner=inner, bucket_cap_mb=cap, overlap=overlap, order=order)
+    return factory, f"{spec.name} 1-bit sync of each shard, buckets of {cap:g} MB{' overlapped with backward' if overlap else ''}"

@@ -16,6 +16,7 @@ without a ModuleList is one unit. Sharding is along each tensor's first dimensio
 import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from zoa_train.comm.buckets import TensorOrder
 from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.topology import NodeGroups, describe, discover_nodes, node_groups
 from zoa_train.errors import UserError
@@ -80,6 +81,20 @@ def shard_model(model: torch.nn.Module, mesh, reduce_dtype: torch.dtype | None =
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
+
+
+def gradient_order(model: torch.nn.Module, groups: list[dict]) -> TensorOrder:
+    """When each tensor of `groups` (parameter groups of `model`, as an optimizer takes them) has its final
+    gradient in a backward of `model` sharded by `shard_model`, for BucketedCollective's `order=`: FSDP2
+    reduce-scatters a unit's gradients (and runs their hooks) when the unit's backward ends, so the last
+    block's come first, the first block's next to last, and the whole model's own (embeddings, a tied
+    head, final norms) last. Each tensor is counted at its whole size, which every rank of the node sees
+    alike (its shard's may not be), so that the ranks cut the same buckets. The same before and after
+    sharding."""
+    blocks = units(model)
+    unit = {id(p): k for k, block in enumerate(blocks) for p in block.parameters()}
+    ready = lambda p: len(blocks) - 1 - unit[id(p)] if id(p) in unit else len(blocks)  # noqa: E731
+    return TensorOrder([[p.numel() for p in g["params"]] for g in groups], [[ready(p) for p in g["params"]] for g in groups])
 
 
 def shard_numel(model: torch.nn.Module) -> int:

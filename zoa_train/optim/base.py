@@ -302,8 +302,8 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         collective overlaps, a hook on every trainable parameter that starts its bucket's round once
         the bucket's gradients are final (docs/algorithm.md, "Overlap")."""
         bucketed = buckets_of(self.collective) is not None
-        if bucketed and self.shard_group is not None:  # the node's ranks would bucket shards of unequal sizes apart
-            raise ValueError(f"{type(self).__name__}: sharded parameters take a collective without buckets (comm.bucket_cap_mb 0, comm.overlap off)")
+        if bucketed and self.shard_group is not None:
+            self._check_buckets_agree_on_the_node()
         if bucketed:
             self._spans = [Span(b.index, b.group, tuple(b.tensors), b.start, b.stop) for b in self.collective.buckets]
         else:
@@ -339,6 +339,19 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         self._whole: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._deferred: list | None = None  # the bucketed exchanges of a delayed round, started on its thread
         self._reset_rounds()
+
+    def _check_buckets_agree_on_the_node(self) -> None:
+        """Sharded, the node's ranks start their buckets from the same hooks and sum norms over their shards
+        bucket by bucket (update_clip), collectives among them: they must cut the same buckets, which
+        buckets cut by the shards' own sizes may not (FSDP2's shards of a tensor differ by a row)."""
+        mine = [(b.group, list(b.tensors)) for b in buckets_of(self.collective)]
+        every: list = [None] * dist.get_world_size(self.shard_group)
+        dist.all_gather_object(every, mine, group=self.shard_group)
+        if any(theirs != mine for theirs in every):
+            raise ValueError(
+                f"{type(self).__name__}: the node's ranks cut different buckets of their shards; cut them by whole tensors, "
+                "BucketedCollective(..., order=gradient_order(model, param_groups)) (zoa_train.comm.sharding)"
+            )
 
     def keep_rounds_in_step(self, reason: str) -> None:
         """Start every round in step() from now on (`reason`: what changes the gradients after

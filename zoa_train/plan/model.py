@@ -52,7 +52,8 @@ adds, and its work on the ranks in full.
 Sharded (comm.shard node), each rank's rounds cover its shard among the N ranks that hold it, the
 node's G ranks at once over its link; FSDP2's all-gathers and reduce-scatter inside the node add what
 prefetching cannot hide (`fsdp_step_cost`), and Adam's HSDP all-reduce starts unit by unit in backward
-as DDP's buckets do.
+as DDP's buckets do. The 1-bit optimizers' overlapped rounds do too: buckets of whole tensors of
+`overlap_bucket_bytes`, each round carrying the node's shards of its bucket.
 
 Memory per rank (`memory_per_rank`, docs/algorithm.md "Memory per rank"): fp32 parameters and
 gradients, and what each optimizer's registry entry says it holds (OptimizerSpec.memory: its state,
@@ -326,10 +327,15 @@ def plan(
 
     def sharded(spec: OptimizerSpec, counts: PlanCounts, knobs) -> dict:
         fp = node_share(base.fp_cost(shard, among, element, reduce), ranks_per_node)
-        fp_step = fp.seconds
+        fp_step, onebit_step = fp.seconds, None
         if costs is not None and not spec.uses_collective:  # adam: torch's HSDP, each unit's all-reduce started in backward
             fp_step = exposed_time(
                 num_params, lambda elements: allreduce_cost(-(-elements // ranks_per_node), element, among, reduce).seconds, costs, 4 * unit[0]
+            )
+        elif costs is not None and costs.overlap:  # buckets cut by whole tensors, each round the node's shards of one, started in backward
+            fp_step = overlapped(lambda elements: node_share(base.fp_cost(-(-elements // ranks_per_node), among, element, reduce), ranks_per_node))
+            onebit_step = overlapped(
+                lambda elements: node_share(base.onebit_cost(-(-elements // ranks_per_node), among, element, rate, reduce), ranks_per_node)
             )
         record = _summary(
             counts,
@@ -343,6 +349,7 @@ def plan(
             world_size=nodes,
             compute_s=costs.step_time + fsdp_added if costs else None,
             fp_step_s=fp_step,
+            onebit_step_s=onebit_step,
         )
         record["intra_bytes_per_rank"] += steps * fsdp_bytes
         record["comm_time_s"] += steps * fsdp_seconds

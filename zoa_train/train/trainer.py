@@ -29,7 +29,8 @@ import yaml
 
 from zoa_train.comm import ClusterCollective, TopologyChanged
 from zoa_train.comm import registry as collectives
-from zoa_train.comm.sharding import load_full_model_state, local_shard, node_sharding
+from zoa_train.comm.cluster import shard_collective
+from zoa_train.comm.sharding import gradient_order, load_full_model_state, local_shard, node_sharding
 from zoa_train.config import CommConfig, Recipe, check_batch_layout, recipe_from_dict
 from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import STOP_SIGNALS, init_process_group, restart_count, threads_per_rank
@@ -37,6 +38,7 @@ from zoa_train.errors import UserError
 from zoa_train.models import registry as models
 from zoa_train.models.blocks import check_compiler, prepare_blocks
 from zoa_train.optim import registry
+from zoa_train.optim.training import parameter_groups
 from zoa_train.plan.counts import PlanContext
 from zoa_train.precision import autocast
 from zoa_train.tasks import build_task
@@ -222,9 +224,11 @@ class Trainer:
         c = recipe.comm
         if c.shard == "node":  # the model sharded inside each node, its shards exchanged flat between nodes
             self.sharding = node_sharding(c.ranks_per_node)
-            sync = collectives.for_shards(c.topology).build(collectives.Settings(c.kernels))
+            # buckets cut by whole tensors, in the order FSDP2 finishes its units (the groups' tensors are the same whatever the decay)
+            order = gradient_order(self.model, parameter_groups(self.model, weight_decay=0.0))
+            sync, described = shard_collective(c.topology, c.kernels, c.bucket_cap_mb, c.overlap, order)
             if self.is_main:
-                print(f"sharded inside the node (FSDP2), {self.sharding.describe()}", flush=True)
+                print(f"sharded inside the node (FSDP2), {self.sharding.describe()}; {described}", flush=True)
         else:
             self.sharding = None
             sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap)
