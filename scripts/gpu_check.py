@@ -33,7 +33,8 @@
    stream of its own) equals the same buckets started in step(), bit for bit, after every step;
 7. sharded inside the node (zoa_train/comm/sharding.py): ZeroOneAdam on a model sharded with FSDP2 over
    2 nodes x 2 ranks equals it unsharded on 2 ranks that see their nodes' micro-batches (CPU: Gloo, bit
-   for bit; CUDA: NCCL, a GPU per rank, 4 GPUs or SKIP);
+   for bit; CUDA: NCCL, a GPU per rank, 4 GPUs or SKIP); and in buckets cut by whole tensors, its rounds
+   started as FSDP2 reduces each layer equal the same buckets in step(), bit for bit;
 8. the integrations (zoa_train.integrations) on the device, one rank under torchrun (NCCL on CUDA): the HF
    Trainer example (ZoaTrainer: no DDP, accelerate's placement and, on CUDA, bf16 autocast), the accelerate
    example and the Lightning example (SelfSyncingStrategy), each through 0/1 Adam's warm-up into its
@@ -686,10 +687,23 @@ def check_overlap(device: torch.device) -> None:
 SHARD_STEPS, SHARD_WIDTH = 16, 128  # a WIDTH x WIDTH weight shards over 2 ranks into whole 4,096-element scale rows
 
 
+class LayerStack(torch.nn.Module):
+    """Layers in an nn.ModuleList, so that FSDP2 shards each as a unit of its own (zoa_train.comm.sharding.units)."""
+
+    def __init__(self, layers):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
 def sharded_rank(rank: int, tmp: str, device_name: str, backend: str) -> None:
     """One rank of 2 nodes x 2: ZeroOneAdam on a model sharded with FSDP2 inside the node, and on local
     rank 0 of each node the same model unsharded over the 2 nodes, fed both of its node's micro-batches."""
-    from zoa_train.comm.sharding import shard_model
+    from zoa_train.comm.sharding import gradient_order, shard_model
     from zoa_train.comm.topology import node_groups
 
     device = torch.device(device_name if backend == "gloo" else f"cuda:{rank}")
@@ -714,12 +728,30 @@ def sharded_rank(rank: int, tmp: str, device_name: str, backend: str) -> None:
     opt = ZeroOneAdam(sharded.parameters(), process_group=groups.inter, **knobs)
     reference = model() if groups.local_rank == 0 else None
     ref_opt = ZeroOneAdam(reference.parameters(), process_group=firsts, **knobs) if reference is not None else None
-    differences = []
+
+    def bucketed(overlap: bool) -> tuple[torch.nn.Module, ZeroOneAdam]:
+        """The layers as FSDP2 units (a ModuleList), a bucket each, rounds in step() or started as FSDP2 reduces each."""
+        torch.manual_seed(0)
+        net = shard_model(LayerStack(model()), groups.mesh["local"])
+        param_groups = [{"params": list(net.parameters())}]
+        buckets = functools.partial(
+            BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=SHARD_WIDTH**2 * 4 / 2**20, overlap=overlap, order=gradient_order(net, param_groups)
+        )
+        return net, ZeroOneAdam(param_groups, process_group=groups.inter, collective=buckets, **knobs)
+
+    pair = [bucketed(False), bucketed(True)]
+    differences, overlapped = [], []
     for t in range(SHARD_STEPS):
         x, y = batch(rank, t)
         torch.nn.functional.mse_loss(sharded(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        for net, net_opt in pair:
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            net_opt.step()
+            net_opt.zero_grad(set_to_none=True)
+        shards = [[p.to_local() for p in net.parameters()] for net, _ in pair]
+        overlapped.append(max((a - b).abs().max().item() for a, b in zip(*shards)))
         full = [p.full_tensor() for p in sharded.parameters()]
         if ref_opt is not None:
             for micro in range(groups.node * RANKS_PER_NODE, (groups.node + 1) * RANKS_PER_NODE):
@@ -728,7 +760,7 @@ def sharded_rank(rank: int, tmp: str, device_name: str, backend: str) -> None:
             ref_opt.step()
             ref_opt.zero_grad(set_to_none=True)
             differences.append(max((a - b.detach()).abs().max().item() for a, b in zip(full, reference.parameters())))
-    torch.save({"differences": differences}, f"{tmp}/rank{rank}.pt")
+    torch.save({"differences": differences, "overlapped": overlapped}, f"{tmp}/rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
 
@@ -749,6 +781,10 @@ def check_sharded(device: torch.device) -> None:
     worst = max(max(ranks[n * RANKS_PER_NODE]["differences"]) for n in range(NODES))
     # bit for bit on the CPU; cuBLAS may sum a matmul of another shape in another order
     report(name, worst == 0.0 if device.type == "cpu" else worst < 1e-5, f"{SHARD_STEPS} steps, largest difference {worst:.3g}")
+    # the same arithmetic, its rounds started on the rounds' thread (a stream of its own on CUDA) as FSDP2 reduces each layer
+    apart = max(max(r["overlapped"]) for r in ranks)
+    name = f"ZeroOneAdam sharded on {device.type}, rounds started as FSDP2 reduces each layer: equal to the same buckets in step()"
+    report(name, apart == 0.0, f"{SHARD_STEPS} steps, largest difference {apart:.3g}")
 
 
 # --- the integrations, one rank under torchrun ------------------------------------------------

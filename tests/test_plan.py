@@ -2,6 +2,7 @@
 cases, the unit parsers, and agreement with what ZeroOneAdam actually decides step by step."""
 
 import io
+import json
 import math
 import sys
 import time
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import zoa_here
 from reference import zero_one_counts_reference
 from rich.console import Console
 
@@ -628,3 +630,18 @@ def test_plan_of_a_sharded_recipe_on_one_gpu_per_node_says_why_there_are_no_shar
         assert done.value.code == 0
         err = capsys.readouterr().err
         assert ("comm.shard node" in err and "no sharded columns; pass --gpus-per-node" in err) is warned, err
+
+
+def test_plan_keeps_rounds_in_step_where_the_trainer_would_and_says_so(capsys):
+    args = ["plan", "recipes/gpt2_tiny.yaml", "--nodes", "4", "--gpus-per-node", "2", "--step-time", "50ms", "--bandwidth", "100Mbit", "--json"]
+    overlap, unclipped = ["--set", "comm.overlap=true", "--set", "comm.bucket_cap_mb=0.25"], ["--set", "train.grad_clip=0"]
+    plans = {}
+    for name, extra in (("in step", unclipped), ("clipped", overlap), ("overlapped", overlap + unclipped)):
+        done = zoa_here(capsys, *args, *extra)
+        assert done.returncode == 0, done.stderr
+        plans[name] = json.loads(done.stdout)["zero_one_adam"]
+        assert ("train.grad_clip changes the gradients after backward" in done.stderr) == (name == "clipped"), done.stderr
+    flat, sharded = (lambda p: p), (lambda p: p["sharded"])  # the flat record is the optimizer's own
+    for record in (flat, sharded):
+        assert record(plans["clipped"])["total_time_s"] == record(plans["in step"])["total_time_s"]  # the recipe clips at 1.0: in step()
+        assert record(plans["overlapped"])["total_time_s"] < record(plans["in step"])["total_time_s"]

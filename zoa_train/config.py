@@ -456,6 +456,13 @@ def _check_sharding(recipe: Recipe, origin: str) -> None:
         )
 
 
+def rounds_kept_in_step(recipe: Recipe) -> str | None:
+    """What in `recipe` changes the gradients after backward, so that its 1-bit rounds start in step()
+    even with comm.overlap (the trainer's rule, which `plan` follows), or None."""
+    t = recipe.train
+    return "train.grad_clip" if t.grad_clip > 0 else "fp16 loss scaling" if t.precision == "fp16" else "train.skip_nonfinite" if t.skip_nonfinite else None
+
+
 def check_batch_layout(recipe: Recipe, world_size: int, origin: str = "recipe") -> int:
     """Gradient-accumulation steps for this world size; refuses a global batch, or emulated nodes
     (comm.ranks_per_node), that do not divide it."""

@@ -30,7 +30,7 @@ def plan_recipe(
     as_json: bool,
 ) -> None:
     """Print every optimizer's plan over `recipe` (the `plan` command's options; 0 or "" where unset)."""
-    from zoa_train.config import load_recipe
+    from zoa_train.config import load_recipe, rounds_kept_in_step
     from zoa_train.files import dumps_json
     from zoa_train.optim import registry
     from zoa_train.plan.model import plan
@@ -44,6 +44,11 @@ def plan_recipe(
         console.err.print(
             f"warning: {recipe} shards the model over each node's GPUs (comm.shard node) and --gpus-per-node 1 gives a node one, so the plan "
             "has no sharded columns; pass --gpus-per-node (e.g. 8) to see them."
+        )
+    kept = rounds_kept_in_step(config)
+    if config.comm.overlap and kept and step_time:
+        console.err.print(
+            f"warning: {kept} changes the gradients after backward, so the 1-bit rounds are planned in step(), as the trainer runs them; comm.overlap needs it off."
         )
     costs = step_costs(config, ranks, step_time, backward_fraction, compress_rate, reduce_rate, fsdp_rate) if step_time else None
     o = config.optimizer
@@ -96,6 +101,7 @@ def check_plan_options(nodes, gpus_per_node, world_size, backward_fraction, comp
 def step_costs(config, ranks: int, step_time: str, backward_fraction: float, compress_rate: float, reduce_rate: float, fsdp_rate: float):
     """What a step costs besides its transfers (StepCosts), for predicted step times; a rate of 0 is not limiting."""
     from zoa_train.comm.buckets import BUCKET_CAP_MB
+    from zoa_train.config import rounds_kept_in_step
     from zoa_train.plan.model import StepCosts
     from zoa_train.plan.units import parse_latency
 
@@ -106,7 +112,7 @@ def step_costs(config, ranks: int, step_time: str, backward_fraction: float, com
         backward_fraction,
         compress_rate or math.inf,
         reduce_rate or math.inf,
-        overlap=c.overlap,
+        overlap=c.overlap and rounds_kept_in_step(config) is None,  # as the trainer: clipping keeps the rounds in step()
         overlap_bucket_bytes=overlap_bucket,
         micro_batches=max(1, -(-config.train.global_batch_size // (config.train.micro_batch_size * ranks))),
         fsdp_rate=fsdp_rate or math.inf,

@@ -31,7 +31,7 @@ from zoa_train.comm import ClusterCollective, TopologyChanged
 from zoa_train.comm import registry as collectives
 from zoa_train.comm.cluster import shard_collective
 from zoa_train.comm.sharding import gradient_order, load_full_model_state, local_shard, node_sharding
-from zoa_train.config import CommConfig, Recipe, check_batch_layout, recipe_from_dict
+from zoa_train.config import CommConfig, Recipe, check_batch_layout, recipe_from_dict, rounds_kept_in_step
 from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import STOP_SIGNALS, init_process_group, restart_count, threads_per_rank
 from zoa_train.errors import UserError
@@ -318,10 +318,7 @@ class Trainer:
     def _no_overlap_when_gradients_change(self, recipe: Recipe) -> None:
         """Rounds started during backward use the gradients as backward left them: a run that changes
         them afterwards starts its rounds in step() instead."""
-        t = recipe.train
-        reason = (
-            "train.grad_clip" if t.grad_clip > 0 else "fp16 loss scaling" if t.precision == "fp16" else "train.skip_nonfinite" if t.skip_nonfinite else None
-        )
+        reason = rounds_kept_in_step(recipe)
         if reason:
             self.opt.keep_rounds_in_step(reason)
 
