@@ -26,12 +26,12 @@ def test_gpu_check_passes_on_the_cpu():
     # What can differ on a CPU: the native 1-bit kernels against the torch path (three shapes), ranks
     # agreeing on the 1-bit average and on 0/1 Adam's parameters (flat and node-aware), its delayed sync
     # equal to the in-step one, rounds overlapped
-    # with backward equal to the same buckets in step(), sharded 0/1 Adam equal to it unsharded, the op
-    # count, and the three integration examples
+    # with backward equal to the same buckets in step(), sharded 0/1 Adam equal to it unsharded and its rounds
+    # started as FSDP2 reduces each layer equal to them in step(), the op count, and the three integration examples
     # where their extras are installed (SKIP where not). The six checks of a device against the CPU
     # compare the CPU with itself here and say so: they are for a GPU; so are the kernels' bandwidth and
     # NCCL between GPUs.
     installed = {name: importlib.util.find_spec(name) is not None for name in ("transformers", "accelerate", "lightning")}
     examples = 2 * (installed["transformers"] and installed["accelerate"]) + (installed["transformers"] and installed["lightning"])
-    assert done.stdout.count("PASS") == 11 + examples and done.stdout.count("SKIP") == 8 + 3 - examples, done.stdout
+    assert done.stdout.count("PASS") == 12 + examples and done.stdout.count("SKIP") == 8 + 3 - examples, done.stdout
     assert "run zero_one_adam" not in done.stdout  # --skip runs held
