@@ -88,12 +88,13 @@ def _optimizer(name, model, collective):
     return ZeroOneAdam(groups, lr=3e-3, var_freeze_step=6, var_update_scaler=1, local_steps="fixed", local_step_interval=2, collective=collective)
 
 
-def _train(rank, name, collective, steps, accum=2, state=None, first=0):
-    """Train `steps` steps from step `first` (from `state` if given); each step's parameters, error
-    buffers, whether the step synced and how many buckets had started before step()."""
+def _train(rank, name, collective, steps, accum=2, state=None, first=0, clip=None):
+    """Train `steps` steps from step `first` (from `state` if given; clip_by_bucket(`clip`)); each step's
+    parameters, error buffers, whether the step synced and how many buckets had started before step()."""
     torch.manual_seed(0)
     model = Net()
     opt = _optimizer(name, model, collective)
+    opt.clip_by_bucket(clip)
     if state is not None:
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -148,6 +149,39 @@ def test_overlapped_rounds_equal_the_same_buckets_in_step_bit_for_bit(world_size
                 for other in every[1:]:
                     for x, y in zip(every[0][name][1][step][0], other[name][1][step][0]):
                         assert torch.equal(x, y), f"{name} step {step}: ranks differ after a sync"
+
+
+def _clipped_paths(rank, world_size):
+    """0/1 Adam clipped by bucket: in step(), overlapped, and not clipped."""
+    factory = lambda overlap: functools.partial(BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=CAP_MB, overlap=overlap)
+    plain, _ = _train(rank, "zero_one_adam", factory(overlap=False), 8, clip=0.05)
+    overlapped, _ = _train(rank, "zero_one_adam", factory(overlap=True), 8, clip=0.05)
+    unclipped, _ = _train(rank, "zero_one_adam", factory(overlap=True), 8)
+    return plain, overlapped, unclipped
+
+
+@pytest.mark.slow
+def test_rounds_clipped_by_bucket_start_during_backward_and_equal_the_same_clip_in_step():
+    for rank, (plain, overlapped, unclipped) in enumerate(run_ranks(_clipped_paths, 2)):
+        for step, (a, b) in enumerate(zip(plain, overlapped)):
+            assert all(torch.equal(x, y) for x, y in zip(a[0] + a[1], b[0] + b[1])), f"rank {rank} step {step}: overlapped differs"
+        assert any(r[3] > 0 for r in overlapped) and all(r[3] == 0 for r in plain)  # started during backward, clipped
+        assert not all(torch.equal(x, y) for x, y in zip(overlapped[-1][0], unclipped[-1][0]))  # and the clip did something
+
+
+def test_clip_by_bucket_scales_each_bucket_to_its_share_of_the_norm():
+    # One rank, a bucket per tensor: 3 of the 4 elements in one (norm 5: its limit 2 * sqrt(3/4) clips it),
+    # 1 in the other (norm 0.5, under its limit 2 * sqrt(1/4) = 1: left as it is).
+    big, small = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(1))
+    collective = functools.partial(BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=3 * 4 / 2**20)
+    opt = ZeroOneAdam([big, small], lr=1e-3, collective=collective)
+    opt.clip_by_bucket(2.0)
+    big.grad, small.grad = torch.tensor([3.0, 4.0, 0.0]), torch.tensor([0.5])
+    opt.step()
+    assert torch.allclose(big.grad, torch.tensor([3.0, 4.0, 0.0]) * (2 * 0.75**0.5 / (5 + 1e-6)))
+    assert torch.equal(small.grad, torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="positive max_norm or None"):
+        opt.clip_by_bucket(0.0)
 
 
 def _second_backward(rank, world_size):

@@ -138,6 +138,10 @@ class TrainConfig:
     micro_batch_size: int = 16  # sequences per forward/backward on one rank
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     grad_clip: float = 0.0  # max norm of this rank's gradient (0: off)
+    # global: clip by the whole gradient's norm after backward, so the 1-bit rounds start in step(); bucket:
+    # clip each bucket by its share of grad_clip as soon as its gradients are final, so comm.overlap keeps
+    # starting rounds during backward (docs/algorithm.md, "Clipping by bucket"; the optimizers that sync themselves)
+    grad_clip_rule: Literal["global", "bucket"] = "global"
     skip_nonfinite: int = 0  # steps with a NaN/inf loss to skip (all ranks together, one scalar allreduce per step); 0: stop at the first
     seed: int = 0
     nproc: int = 2  # local ranks when not started by torchrun or srun
@@ -460,7 +464,15 @@ def rounds_kept_in_step(recipe: Recipe) -> str | None:
     """What in `recipe` changes the gradients after backward, so that its 1-bit rounds start in step()
     even with comm.overlap (the trainer's rule, which `plan` follows), or None."""
     t = recipe.train
-    return "train.grad_clip" if t.grad_clip > 0 else "fp16 loss scaling" if t.precision == "fp16" else "train.skip_nonfinite" if t.skip_nonfinite else None
+    return (
+        "train.grad_clip"
+        if t.grad_clip > 0 and t.grad_clip_rule == "global"
+        else "fp16 loss scaling"
+        if t.precision == "fp16"
+        else "train.skip_nonfinite"
+        if t.skip_nonfinite
+        else None
+    )
 
 
 def check_batch_layout(recipe: Recipe, world_size: int, origin: str = "recipe") -> int:

@@ -249,6 +249,7 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         self.last_step: StepRecord | None = None
         self.step_count = 0
         self._averaged: list[torch.Tensor] = []  # see average_at_sync
+        self._clip_norm: float | None = None  # clip_by_bucket's
         self._lay_out()
         self._constructed = True
 
@@ -314,6 +315,9 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         self._hooks = []
         self._span_of: dict[int, int] = {}
         self._needed = [0] * len(self._spans)
+        # clip_by_bucket's limits: the square root of each span's share of the trainable elements (whole tensors when sharded)
+        whole = [sum(self._flat[s.group].sources[i].numel() for i in s.tensors if self._flat[s.group].sources[i].requires_grad) for s in self._spans]
+        self._clip_shares = [(n / max(1, sum(whole))) ** 0.5 for n in whole]
         for span in self._spans:
             for i in span.tensors:
                 p = self._flat[span.group].sources[i]
@@ -353,6 +357,26 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
                 "BucketedCollective(..., order=gradient_order(model, param_groups)) (zoa_train.comm.sharding)"
             )
 
+    def clip_by_bucket(self, max_norm: float | None) -> None:
+        """Clip each bucket's gradients (each parameter group's, without buckets) once they are final, to a
+        norm of at most max_norm * sqrt(the bucket's share of the trainable elements): this rank's norm,
+        the node's when sharded. A clip that waits for no other bucket, so rounds still start during
+        backward (train.grad_clip_rule bucket; docs/algorithm.md, "Clipping by bucket"); the same
+        arithmetic in step() without overlap. None turns it off."""
+        if max_norm is not None and not max_norm > 0:
+            raise ValueError(f"{type(self).__name__}: clip_by_bucket takes a positive max_norm or None, not {max_norm!r}")
+        self._clip_norm = max_norm
+
+    def _clip_span(self, span: Span) -> None:
+        flat = self._flat[span.group]
+        grads = [g for g in (flat.grad(i) for i in span.tensors) if g is not None]
+        square = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros((), device=flat.device)
+        if self.shard_group is not None:  # the bucket's norm over the node's shards (a collective: every rank, every bucket)
+            self._sum_over_shards(square)
+        if grads:
+            limit = self._clip_norm * self._clip_shares[span.index]
+            torch._foreach_mul_(grads, (limit / (square.sqrt() + 1e-6)).clamp(max=1.0))  # as clip_grad_norm_ does, per bucket
+
     def keep_rounds_in_step(self, reason: str) -> None:
         """Start every round in step() from now on (`reason`: what changes the gradients after
         backward, such as clipping), logging one line if rounds were started during backward."""
@@ -363,7 +387,8 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
     def _reset_rounds(self) -> None:
         self._grads: dict[int, torch.Tensor] = {}  # per group, this step's averaged gradient (_start_gradient_average)
         self._plan = _UNDECIDED
-        self._next_span = 0
+        self._next_span = 0  # spans whose share of the step is done and round started
+        self._next_final = 0  # spans whose gradients are final (and clipped, with clip_by_bucket)
         self._ready = [0] * len(self._spans)
         self._fired: set[int] = set()
 
@@ -384,11 +409,11 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
             return
         if self._plan is _UNDECIDED:
             self._plan = self._plan_step()
-        if self._plan is None:  # a step that communicates nothing, or that starts all in step()
+        if self._plan is None and self._clip_norm is None:  # a step that communicates nothing, or that starts all in step()
             return
         key, span = id(param), self._span_of[id(param)]
         if key in self._fired:
-            if span < self._next_span:
+            if span < self._next_final:
                 raise RuntimeError(
                     f"{type(self).__name__}: a gradient was accumulated again after its bucket's exchange had started (a second backward "
                     "before step(), or one after a zero_grad() without a step); run all but the last backward of a step under "
@@ -398,7 +423,11 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         self._fired.add(key)
         self._ready[span] += 1
         with torch.no_grad():
-            while self._next_span < len(self._spans) and self._ready[self._next_span] >= self._needed[self._next_span]:
+            while self._next_final < len(self._spans) and self._ready[self._next_final] >= self._needed[self._next_final]:
+                if self._clip_norm is not None:
+                    self._clip_span(self._spans[self._next_final])
+                self._next_final += 1
+            while self._plan is not None and self._next_span < self._next_final:
                 self._prepare(self._spans[self._next_span], self._plan)
                 self._next_span += 1
 
@@ -654,6 +683,11 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         try:
+            if self._clip_norm is not None:  # the spans no hook has clipped (all of them without overlap), in order
+                with torch.no_grad():
+                    for span in self._spans[self._next_final :]:
+                        self._clip_span(span)
+                self._next_final = len(self._spans)
             synced, variance_updated, interval = self._step()
         finally:
             self._reset_rounds()

@@ -64,6 +64,10 @@ class TrainingOptimizer(Protocol):
     def keep_rounds_in_step(self, reason: str) -> None:
         """Start no round during backward: `reason` (clipping, loss scaling, ...) changes the gradients after it."""
 
+    def clip_by_bucket(self, max_norm: float | None) -> None:
+        """Clip each bucket's gradients as soon as they are final (train.grad_clip_rule bucket), or a UserError
+        where the optimizer cannot: DDP and HSDP reduce the raw gradients themselves."""
+
     @property
     def variance_updates(self) -> int:
         """Steps so far that updated Adam's second moment."""
@@ -159,6 +163,13 @@ class _HoldsTorchOptimizer:
     @property
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
+
+    def clip_by_bucket(self, max_norm: float | None) -> None:
+        if max_norm is not None:
+            raise UserError(
+                f"train.grad_clip_rule bucket clips inside the optimizers that sync themselves (onebit_adam, zero_one_adam, diloco); "
+                f"{self.name} reduces its gradients with DDP or FSDP2, so set train.grad_clip_rule global."
+            )
 
 
 class DDPBacked(_HoldsTorchOptimizer):
@@ -426,6 +437,9 @@ class SelfSyncing(_HoldsTorchOptimizer):
 
     def keep_rounds_in_step(self, reason: str) -> None:
         self.optimizer.keep_rounds_in_step(reason)
+
+    def clip_by_bucket(self, max_norm: float | None) -> None:
+        self.optimizer.clip_by_bucket(max_norm)
 
     @property
     def variance_updates(self) -> int:

@@ -63,9 +63,17 @@ RULES: dict[str, Rule] = {
     **dict.fromkeys(["schedule.name", "schedule.warmup_steps", "schedule.decay_factor", "schedule.decay_every", "schedule.min_lr"]),
     # train.micro_batch_size: the data continue at the same sample (the position is converted)
     **dict.fromkeys(
-        ["train.steps", "train.global_batch_size", "train.micro_batch_size", "train.precision", "train.grad_clip", "train.skip_nonfinite", "train.nproc"]
+        [
+            "train.steps",
+            "train.global_batch_size",
+            "train.micro_batch_size",
+            "train.precision",
+            "train.grad_clip",
+            "train.grad_clip_rule",
+            "train.skip_nonfinite",
+        ]
     ),
-    **dict.fromkeys(["train.backend", "train.timeout_s", "train.log_every", "train.val_every", "train.val_batches", "train.checkpoint_every"]),
+    **dict.fromkeys(["train.nproc", "train.backend", "train.timeout_s", "train.log_every", "train.val_every", "train.val_batches", "train.checkpoint_every"]),
     **dict.fromkeys(["train.keep_checkpoints", "train.activation_checkpointing", "train.compile", "train.peak_tflops", "train.elastic"]),
     "train.seed": _SEED,
     **dict.fromkeys(["comm.topology", "comm.ranks_per_node", "comm.bucket_cap_mb", "comm.overlap", "comm.shard", "comm.kernels"]),

@@ -234,6 +234,8 @@ class Trainer:
             sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap)
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync, sharding=self.sharding)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # this rank's shards when sharded
+        if t.grad_clip_rule == "bucket":
+            self.opt.clip_by_bucket(t.grad_clip or None)
         self._no_overlap_when_gradients_change(recipe)
         if self.sharding is None and not sync.chosen and self.is_main:
             _warn_of_unused_comm_keys(recipe)
@@ -418,7 +420,7 @@ class Trainer:
         if self._skip(loss_sum):
             self.opt.zero_grad()
             return None
-        if t.grad_clip > 0:
+        if t.grad_clip > 0 and t.grad_clip_rule == "global":  # "bucket": the optimizer clips, bucket by bucket
             torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
         lr = self.opt.lr
         self.phase = "the optimizer step (its allreduce)"
