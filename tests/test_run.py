@@ -186,6 +186,10 @@ BAD_RECIPES = {
         "comm.ranks_per_node 3 does not divide the 2 ranks into whole nodes",
     ),
     "nccl without GPUs": (lambda r: r["train"].update(backend="nccl"), f"2 ranks need 2 GPUs and this machine has {torch.cuda.device_count()}"),
+    "clip by bucket under DDP": (
+        lambda r: (r["train"].update(grad_clip_rule="bucket"), r["optimizer"].update(name="adam")),
+        "adam reduces its gradients with DDP or FSDP2, so set train.grad_clip_rule global",
+    ),
 }
 
 

@@ -183,8 +183,8 @@ class CommConfig:
     bucket_cap_mb: float = 0.0
     # Start each bucket's round during backward, as soon as its gradients are final (buckets of
     # 100 MB when bucket_cap_mb is 0; with comm.shard node, as FSDP2 reduces each block's gradients).
-    # Off for a run whose gradients change after backward (train.grad_clip, fp16 loss scaling,
-    # train.skip_nonfinite): its rounds start in step().
+    # Off for a run whose gradients change after backward (train.grad_clip by the global rule, fp16 loss
+    # scaling, train.skip_nonfinite): its rounds start in step().
     overlap: bool = False
     # node: shard the model, its gradients and optimizer state over each node's ranks (FSDP2) and
     # send only the shard between nodes (docs/algorithm.md, "Sharded inside the node"); none: every
@@ -433,6 +433,11 @@ def _check(recipe: Recipe, origin: str) -> None:
             raise UserError(f"{origin}: data file {name} is a directory; data.train_files and data.validation_files name files or glob patterns.")
     if recipe.comm.shard == "node":
         _check_sharding(recipe, origin)
+    if recipe.train.grad_clip_rule == "bucket" and not registry.get(o.name).syncs_itself:
+        raise UserError(
+            f"{origin}: train.grad_clip_rule bucket clips inside the optimizers that sync themselves ({', '.join(n for n in registry.names() if registry.get(n).syncs_itself)}); "
+            f"{o.name} reduces its gradients with DDP or FSDP2, so set train.grad_clip_rule global."
+        )
     if o.name in ("zero_one_adam", "diloco") and o.sync_delay:
         if recipe.comm.overlap:
             rounds = "1-bit round" if o.name == "zero_one_adam" else "outer round"

@@ -135,6 +135,7 @@ register(
         colour="#e07b00",
         uses_collective=True,
         shardable=True,
+        syncs_itself=True,
         memory=_memory_self_syncing("exp_avg", "exp_avg_sq"),
         resume={"freeze_step": no_unfreezing},
     )
@@ -239,6 +240,7 @@ register(
         colour="#1f6fc0",
         uses_collective=True,
         shardable=True,
+        syncs_itself=True,
         memory=_memory_self_syncing("exp_avg", "exp_avg_sq", "anchor"),
         # the schedule continues from its progress under the new knobs (ZeroOneSchedule.load_state_dict)
         resume={
@@ -514,6 +516,7 @@ register(
         rule=_diloco_rule,
         memory=_memory_diloco,
         shardable=True,
+        syncs_itself=True,
         resume={
             **dict.fromkeys(("sync_every", "outer_lr", "outer_momentum", "outer_nesterov", "topk_density", "topk_error_decay")),
             "fragments": "the outer steps' state is kept per fragment as saved",

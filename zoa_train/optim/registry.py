@@ -120,6 +120,7 @@ class OptimizerSpec:
     colour: str = OTHER_COLOUR
     uses_collective: bool = False  # its rounds go through BuildContext.collective, so comm.topology applies
     shardable: bool = False  # its build honours BuildContext.sharding (comm.shard node)
+    syncs_itself: bool = False  # its build is a SelfSyncing optimizer (no DDP): it can clip by bucket (train.grad_clip_rule)
     # A rule across its knobs: None, or what is wrong in one sentence (checked at recipe load and by `create`).
     rule: Callable[[Any], str | None] | None = None
     # What its optimizer holds on one rank besides parameters and gradients (`plan`'s memory); None, or

@@ -65,8 +65,8 @@ class TrainingOptimizer(Protocol):
         """Start no round during backward: `reason` (clipping, loss scaling, ...) changes the gradients after it."""
 
     def clip_by_bucket(self, max_norm: float | None) -> None:
-        """Clip each bucket's gradients as soon as they are final (train.grad_clip_rule bucket), or a UserError
-        where the optimizer cannot: DDP and HSDP reduce the raw gradients themselves."""
+        """Clip each bucket's gradients as soon as they are final (train.grad_clip_rule bucket); only the
+        optimizers that sync themselves can (DDP and HSDP reduce the raw gradients themselves)."""
 
     @property
     def variance_updates(self) -> int:
@@ -165,11 +165,8 @@ class _HoldsTorchOptimizer:
         return self.optimizer.param_groups[0]["lr"]
 
     def clip_by_bucket(self, max_norm: float | None) -> None:
-        if max_norm is not None:
-            raise UserError(
-                f"train.grad_clip_rule bucket clips inside the optimizers that sync themselves (onebit_adam, zero_one_adam, diloco); "
-                f"{self.name} reduces its gradients with DDP or FSDP2, so set train.grad_clip_rule global."
-            )
+        if max_norm is not None:  # a recipe is refused at load (its spec does not sync itself)
+            raise TypeError(f"{self.name} reduces its gradients with DDP or FSDP2, which clip_by_bucket cannot reach")
 
 
 class DDPBacked(_HoldsTorchOptimizer):
