@@ -636,14 +636,15 @@ def test_plan_keeps_rounds_in_step_where_the_trainer_would_and_says_so(capsys):
     args = ["plan", "recipes/gpt2_tiny.yaml", "--nodes", "4", "--gpus-per-node", "2", "--step-time", "50ms", "--bandwidth", "100Mbit", "--json"]
     overlap, unclipped = ["--set", "comm.overlap=true", "--set", "comm.bucket_cap_mb=0.25"], ["--set", "train.grad_clip=0"]
     plans = {}
-    by_bucket = ["--set", "train.grad_clip_rule=bucket"]  # clipped as each bucket is final: overlapped
-    for name, extra in (("in step", unclipped), ("clipped", overlap), ("overlapped", overlap + unclipped), ("by bucket", overlap + by_bucket)):
+    # the recipe clips at 1.0: by the global rule in step(); by bucket (grad_clip_rule auto under comm.overlap) overlapped
+    by_global = ["--set", "train.grad_clip_rule=global"]
+    for name, extra in (("in step", unclipped), ("clipped", overlap + by_global), ("overlapped", overlap + unclipped), ("by bucket", overlap)):
         done = zoa_here(capsys, *args, *extra)
         assert done.returncode == 0, done.stderr
         plans[name] = json.loads(done.stdout)["zero_one_adam"]
         assert ("train.grad_clip changes the gradients after backward" in done.stderr) == (name == "clipped"), done.stderr
     flat, sharded = (lambda p: p), (lambda p: p["sharded"])  # the flat record is the optimizer's own
     for record in (flat, sharded):
-        assert record(plans["clipped"])["total_time_s"] == record(plans["in step"])["total_time_s"]  # the recipe clips at 1.0: in step()
+        assert record(plans["clipped"])["total_time_s"] == record(plans["in step"])["total_time_s"]
         assert record(plans["overlapped"])["total_time_s"] < record(plans["in step"])["total_time_s"]
         assert record(plans["by bucket"])["total_time_s"] == record(plans["overlapped"])["total_time_s"]

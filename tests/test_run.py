@@ -107,8 +107,9 @@ def test_two_emulated_nodes_of_two_ranks_sync_node_aware_and_reshard_to_flat(tmp
     # 4 ranks as 2 nodes x 2 (comm.ranks_per_node: one machine, one hostname). Exact resume under the
     # node-aware sync is tests/test_optim.py's (2 x 2, inside a local-step period); here the trainer's
     # part: the sync it reports and logs, and a checkpoint continued under another topology.
-    # comm.overlap under the recipe's gradient clipping: bucketed, rounds in step(), and said so.
-    knobs = short(cache_dir, 4, "train.micro_batch_size=8", "optimizer.var_freeze_step=2", "comm.ranks_per_node=2", "comm.overlap=true")
+    # comm.overlap under the recipe's gradient clipping by the global rule: bucketed, rounds in step(), and said so.
+    overlap = ("comm.overlap=true", "train.grad_clip_rule=global")
+    knobs = short(cache_dir, 4, "train.micro_batch_size=8", "optimizer.var_freeze_step=2", "comm.ranks_per_node=2", *overlap)
     first = tmp_path / "first"
     done = zoa("run", "recipes/gpt2_tiny.yaml", "--nproc", "4", "--out", str(first), *knobs)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -132,7 +133,8 @@ def test_two_emulated_nodes_of_two_ranks_sync_node_aware_and_reshard_to_flat(tmp
 def test_bert_tiny_runs_with_the_baselines(tmp_path, cache_dir, optimizer):
     # Also exercises gradient accumulation (2 micro-batches per step), bf16 autocast and, with adam,
     # the next-sentence head on sentence pairs; with 1-bit Adam, rounds started during backward in
-    # small buckets (without clipping), the first micro-batch under the optimizer's no_sync().
+    # small buckets (the recipe's clipping then by bucket: grad_clip_rule auto), the first micro-batch
+    # under the optimizer's no_sync().
     run_dir = tmp_path / optimizer
     extra = (
         f"optimizer.name={optimizer}",
@@ -140,7 +142,7 @@ def test_bert_tiny_runs_with_the_baselines(tmp_path, cache_dir, optimizer):
         "train.micro_batch_size=8",
         "train.precision=bf16",
         f"model.next_sentence={str(optimizer == 'adam').lower()}",
-        *(("comm.overlap=true", "comm.bucket_cap_mb=0.25", "train.grad_clip=0") if optimizer == "onebit_adam" else ()),
+        *(("comm.overlap=true", "comm.bucket_cap_mb=0.25") if optimizer == "onebit_adam" else ()),
     )
     done = zoa("run", "recipes/bert_tiny.yaml", "--out", str(run_dir), *short(cache_dir, 4, *extra))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -149,6 +151,9 @@ def test_bert_tiny_runs_with_the_baselines(tmp_path, cache_dir, optimizer):
     expected_bits = 16.0 if optimizer == "adam" else (2 * 16 + 2 * 1) / 4
     assert records[-1]["bits_per_param"] == pytest.approx(expected_bits)
     assert records[-1]["rounds"] == 4
+    if optimizer == "onebit_adam":  # clipped by bucket, the rounds still started during backward
+        assert "gradients clipped bucket by bucket as backward finishes them (train.grad_clip_rule auto)" in done.stdout, done.stdout
+        assert "changes the gradients after backward" not in done.stderr
 
 
 @pytest.mark.slow

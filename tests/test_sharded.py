@@ -152,13 +152,13 @@ SHARD_CAP_MB = 8492 * 4 / 2**20
 
 
 def _overlapped_on_the_node(rank, world_size, name):
-    """2 nodes x 2 ranks sharded, bucketed by gradient_order: in step(), then overlapped; and bucketed
-    by the shards' own sizes, refused."""
+    """2 nodes x 2 ranks sharded, bucketed by gradient_order: in step() and overlapped, unclipped and
+    clipped by bucket; and bucketed by the shards' own sizes, refused."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("node", "local"))
     runs = {}
-    for overlap in (False, True):
+    for overlap, clip in ((False, None), (True, None), (False, 0.05), (True, 0.05)):  # clipped by bucket: norms summed over the node
         torch.manual_seed(0)
         model = shard_model(Tower(), mesh["local"])
         groups = parameter_groups(model, 0.01)
@@ -168,6 +168,7 @@ def _overlapped_on_the_node(rank, world_size, name):
             opt = ZeroOneAdam(groups, lr=0.01, process_group=mesh.get_group("node"), collective=factory, **knobs)
         else:
             opt = OneBitAdam(groups, lr=0.01, freeze_step=5, process_group=mesh.get_group("node"), collective=factory)
+        opt.clip_by_bucket(clip)
         steps = []
         for t in range(16):
             x, y = _batch(rank, t)
@@ -176,7 +177,7 @@ def _overlapped_on_the_node(rank, world_size, name):
             opt.zero_grad(set_to_none=True)
             steps.append(([local_shard(p).clone() for p in model.parameters()], opt.last_step.kind, opt.last_step.bits_per_param))
         buckets = [(b.group, b.tensors, b.layout.numel) for b in opt.collective.buckets]
-        runs[overlap] = steps, model.started, buckets
+        runs[overlap, clip] = steps, model.started, buckets
     torch.manual_seed(0)
     model = shard_model(Tower(), mesh["local"])
     factory = functools.partial(BucketedCollective, inner=OneBitAllReduce, bucket_cap_mb=SHARD_CAP_MB)
@@ -193,21 +194,23 @@ def _overlapped_on_the_node(rank, world_size, name):
 def test_rounds_started_as_fsdp2_reduces_each_block_equal_the_same_buckets_in_step(name):
     ranks = run_ranks(_overlapped_on_the_node, 4, name, sharded=True)
     for rank, (runs, refusal) in enumerate(ranks):
-        (plain, _, buckets), (overlapped, started, _) = runs[False], runs[True]
-        for t, (a, b) in enumerate(zip(plain, overlapped)):
-            assert all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and a[1:] == b[1:], f"rank {rank} step {t}: overlapped differs"
+        (_, _, buckets), (overlapped, started, _) = runs[False, None], runs[True, None]
+        for clip in (None, 0.05):
+            for t, (a, b) in enumerate(zip(runs[False, clip][0], runs[True, clip][0])):
+                assert all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and a[1:] == b[1:], f"rank {rank} step {t} clip {clip}: overlapped differs"
+        assert not all(torch.equal(x, y) for x, y in zip(overlapped[-1][0], runs[True, 0.05][0][-1][0]))  # the clip did something
         # the blocks' weights first, a bucket each; the root unit's tensors (all of group 1's bucket holds some) last
         assert [bucket[:2] for bucket in buckets] == [(0, [3]), (0, [2]), (0, [1]), (1, [9, 8, 7, 6, 5, 4, 3, 2, 1, 12, 11, 10, 0]), (0, [4]), (0, [0])]
         # every block's bucket had started when backward reached the embedding's output, before FSDP2 reduced the root unit
         assert max(started) == 3, started
         assert "cut different buckets" in refusal, refusal
-    kinds = "".join(kind for _, kind, _ in ranks[0][0][True][0])
+    kinds = "".join(kind for _, kind, _ in ranks[0][0][True, None][0])
     assert ONEBIT in kinds and (name == "onebit_adam" or LOCAL in kinds), kinds
     for a, b in ((0, 2), (1, 3)):  # the nodes' shards equal after every sync
-        for t, ((mine, kind, _), (theirs, _, _)) in enumerate(zip(ranks[a][0][True][0], ranks[b][0][True][0])):
+        for t, ((mine, kind, _), (theirs, _, _)) in enumerate(zip(ranks[a][0][True, 0.05][0], ranks[b][0][True, 0.05][0])):
             if kind != LOCAL:
                 assert all(torch.equal(x, y) for x, y in zip(mine, theirs)), f"ranks {a} and {b} differ after step {t}"
-    assert [bucket[:2] for bucket in ranks[0][0][False][2]] == [bucket[:2] for bucket in ranks[1][0][False][2]]  # cut alike on the node
+    assert [bucket[:2] for bucket in ranks[0][0][False, None][2]] == [bucket[:2] for bucket in ranks[1][0][False, None][2]]  # cut alike on the node
 
 
 # ---- through the trainer: 4 ranks as 2 emulated nodes of 2 ------------------------------------------

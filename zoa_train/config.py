@@ -140,8 +140,9 @@ class TrainConfig:
     grad_clip: float = 0.0  # max norm of this rank's gradient (0: off)
     # global: clip by the whole gradient's norm after backward, so the 1-bit rounds start in step(); bucket:
     # clip each bucket by its share of grad_clip as soon as its gradients are final, so comm.overlap keeps
-    # starting rounds during backward (docs/algorithm.md, "Clipping by bucket"; the optimizers that sync themselves)
-    grad_clip_rule: Literal["global", "bucket"] = "global"
+    # starting rounds during backward (docs/algorithm.md, "Clipping by bucket"; the optimizers that sync
+    # themselves); auto: bucket where comm.overlap starts rounds during backward, global elsewhere
+    grad_clip_rule: Literal["auto", "global", "bucket"] = "auto"
     skip_nonfinite: int = 0  # steps with a NaN/inf loss to skip (all ranks together, one scalar allreduce per step); 0: stop at the first
     seed: int = 0
     nproc: int = 2  # local ranks when not started by torchrun or srun
@@ -465,13 +466,22 @@ def _check_sharding(recipe: Recipe, origin: str) -> None:
         )
 
 
+def clip_rule(recipe: Recipe) -> str:
+    """train.grad_clip_rule as it applies: auto is bucket where the 1-bit rounds start during backward
+    (comm.overlap, an optimizer that syncs itself), global elsewhere."""
+    rule = recipe.train.grad_clip_rule
+    if rule == "auto":
+        return "bucket" if recipe.comm.overlap and registry.get(recipe.optimizer.name).syncs_itself else "global"
+    return rule
+
+
 def rounds_kept_in_step(recipe: Recipe) -> str | None:
     """What in `recipe` changes the gradients after backward, so that its 1-bit rounds start in step()
     even with comm.overlap (the trainer's rule, which `plan` follows), or None."""
     t = recipe.train
     return (
         "train.grad_clip"
-        if t.grad_clip > 0 and t.grad_clip_rule == "global"
+        if t.grad_clip > 0 and clip_rule(recipe) == "global"
         else "fp16 loss scaling"
         if t.precision == "fp16"
         else "train.skip_nonfinite"

@@ -31,7 +31,7 @@ from zoa_train.comm import ClusterCollective, TopologyChanged
 from zoa_train.comm import registry as collectives
 from zoa_train.comm.cluster import shard_collective
 from zoa_train.comm.sharding import gradient_order, load_full_model_state, local_shard, node_sharding
-from zoa_train.config import CommConfig, Recipe, check_batch_layout, recipe_from_dict, rounds_kept_in_step
+from zoa_train.config import CommConfig, Recipe, check_batch_layout, clip_rule, recipe_from_dict, rounds_kept_in_step
 from zoa_train.data.prefetch import DevicePrefetcher
 from zoa_train.distributed import STOP_SIGNALS, init_process_group, restart_count, threads_per_rank
 from zoa_train.errors import UserError
@@ -234,8 +234,11 @@ class Trainer:
             sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap)
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync, sharding=self.sharding)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # this rank's shards when sharded
-        if t.grad_clip_rule == "bucket":
+        self.clip_rule = clip_rule(recipe)
+        if self.clip_rule == "bucket":
             self.opt.clip_by_bucket(t.grad_clip or None)
+            if t.grad_clip and self.is_main:
+                print(f"gradients clipped bucket by bucket as backward finishes them (train.grad_clip_rule {t.grad_clip_rule})", flush=True)
         self._no_overlap_when_gradients_change(recipe)
         if self.sharding is None and not sync.chosen and self.is_main:
             _warn_of_unused_comm_keys(recipe)
@@ -420,7 +423,7 @@ class Trainer:
         if self._skip(loss_sum):
             self.opt.zero_grad()
             return None
-        if t.grad_clip > 0 and t.grad_clip_rule == "global":  # "bucket": the optimizer clips, bucket by bucket
+        if t.grad_clip > 0 and self.clip_rule == "global":  # "bucket": the optimizer clips, bucket by bucket
             torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
         lr = self.opt.lr
         self.phase = "the optimizer step (its allreduce)"
