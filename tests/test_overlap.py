@@ -17,6 +17,7 @@ from zoa_train.comm.buckets import BucketedCollective, TensorOrder, plan_buckets
 from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.sharding import gradient_order
 from zoa_train.optim import OneBitAdam, ZeroOneAdam
+from zoa_train.optim.diloco import DiLoCo
 
 CAP_MB = 4096 * 4 / 2**20  # buckets of at most 4,096 elements: several per group in the model below
 
@@ -182,6 +183,13 @@ def test_clip_by_bucket_scales_each_bucket_to_its_share_of_the_norm():
     assert torch.equal(small.grad, torch.tensor([0.5]))
     with pytest.raises(ValueError, match="positive max_norm or None"):
         opt.clip_by_bucket(0.0)
+    # DiLoCo without buckets: each parameter group is the bucket; its inner AdamW steps on the clipped gradient
+    weight, bias = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(4))
+    diloco = DiLoCo([{"params": [weight]}, {"params": [bias]}], lr=1e-3, sync_every=4)
+    diloco.clip_by_bucket(1.0)
+    weight.grad, bias.grad = torch.full((2, 2), 3.0), torch.full((4,), 0.1)  # norms 6 (limit sqrt(1/2)) and 0.2 (under it)
+    diloco.step()
+    assert torch.allclose(weight.grad, torch.full((2, 2), 3.0 * 0.5**0.5 / (6 + 1e-6))) and torch.equal(bias.grad, torch.full((4,), 0.1))
 
 
 def _second_backward(rank, world_size):
