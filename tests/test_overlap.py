@@ -13,7 +13,7 @@ import torch.distributed as dist
 from distributed_harness import run_ranks
 
 from zoa_train.comm import ClusterCollective, OneBitAllReduce, TopologyChanged
-from zoa_train.comm.buckets import BucketedCollective, TensorOrder, plan_buckets
+from zoa_train.comm.buckets import BucketedCollective, TensorOrder, listing_order, plan_buckets
 from zoa_train.comm.ledger import CommLedger
 from zoa_train.comm.sharding import gradient_order
 from zoa_train.optim import OneBitAdam, ZeroOneAdam
@@ -78,6 +78,17 @@ class Net(torch.nn.Module):
         if use_extra:
             h = h + self.extra(h)
         return self.head(self.norm(h))
+
+
+def test_listing_order_interleaves_the_groups_as_backward_finishes_the_layers():
+    model = Net()
+    groups = _optimizer("onebit_adam", model, None).param_groups
+    sizes = [[p.numel() for p in g["params"]] for g in groups]
+    by_group = plan_buckets(sizes, 2, 4096, 1024)  # the groups one after the other: every bias and norm first
+    by_layer = plan_buckets(sizes, 2, 4096, 1024, listing_order(model, groups))
+    assert by_group[0].group == 1 and len(by_group[0].tensors) == len(groups[1]["params"])
+    # decay group: embed, hidden.0-2, extra, head; the rest: their biases and the norm's two tensors
+    assert [(b.group, b.tensors) for b in by_layer] == [(0, [5]), (0, [4]), (0, [3]), (0, [2]), (0, [1]), (1, [7, 6, 5, 4, 3, 2, 1, 0]), (0, [0])]
 
 
 def _optimizer(name, model, collective):

@@ -79,6 +79,16 @@ class TensorOrder(NamedTuple):
     ready: Sequence[Sequence[int]]
 
 
+def listing_order(model: torch.nn.Module, groups: Sequence[dict]) -> TensorOrder:
+    """The order DDP assumes, for `groups` (parameter groups of `model`, as an optimizer takes them): each
+    gradient final in the reverse of model.parameters()'s order, across groups, so that every group's
+    buckets follow the layers as backward finishes them. (Without an order the groups are taken one after
+    the other: the small group of biases and norms, complete only when the first layer is, is started
+    first and holds every other bucket back.)"""
+    position = {id(p): n for n, p in enumerate(model.parameters())}
+    return TensorOrder([[p.numel() for p in g["params"]] for g in groups], [[len(position) - position[id(p)] for p in g["params"]] for g in groups])
+
+
 def plan_buckets(sizes: Sequence[Sequence[int]], world_size: int, cap_elements: int, scale_row: int, order: TensorOrder | None = None) -> list[Bucket]:
     """Buckets of whole tensors, each from one group, in the order their gradients are expected to be
     final: by default the tensors of all groups in reverse order (the groups' tensors taken as listed,
@@ -347,6 +357,11 @@ class BucketedCollective:
             saved = state.get("topology")
             if not isinstance(saved, dict) or saved.get("buckets") != described:
                 was = f"in buckets of {saved['buckets']['bucket_cap_mb']} MB" if isinstance(saved, dict) and "buckets" in saved else "unbucketed"
+                if was == f"in buckets of {self.bucket_cap_mb} MB":  # the same cap, the tensors taken in another order
+                    raise TopologyChanged(
+                        f"its 1-bit error buffers were saved in other buckets of {self.bucket_cap_mb} MB (the tensors taken in another order); "
+                        "pass --reshard to continue with the error buffers at zero"
+                    )
                 raise TopologyChanged(
                     f"its 1-bit error buffers were saved {was} and this run exchanges in buckets of {self.bucket_cap_mb} MB; "
                     "resume with the same comm.bucket_cap_mb, or pass --reshard to continue with the error buffers at zero"

@@ -22,7 +22,8 @@ class ClusterCollective:
     1-bit optimizer is built) it finds which ranks share a node (zoa_train.comm.topology) and builds
     the collective `topology` names in zoa_train/comm/registry.py ("auto": node-aware or flat), in
     buckets of `bucket_cap_mb` MB (0: none) whose rounds start during backward with `overlap`
-    (zoa_train/comm/buckets.py; 100 MB buckets when `bucket_cap_mb` is 0). `chosen` then describes
+    (zoa_train/comm/buckets.py; 100 MB buckets when `bucket_cap_mb` is 0), cut and started in `order`
+    (buckets.listing_order for a model's parameter groups). `chosen` then describes
     what it built, for the run's log."""
 
     def __init__(
@@ -33,6 +34,7 @@ class ClusterCollective:
         kernels: str = "auto",
         bucket_cap_mb: float = 0.0,
         overlap: bool = False,
+        order: TensorOrder | None = None,
     ):
         # What a recipe's schema checks, checked again for code that builds one itself (a misspelt topology was flat).
         if topology not in collectives.topologies():
@@ -48,6 +50,7 @@ class ClusterCollective:
         self.topology, self.ranks_per_node, self.intra_dtype, self.kernels = topology, ranks_per_node, intra_dtype, kernels
         self.bucket_cap_mb = bucket_cap_mb or (BUCKET_CAP_MB if overlap else 0.0)
         self.overlap = overlap
+        self.order = order  # how the buckets are cut and started (BucketedCollective's order=)
         self.chosen: str | None = None
         self.spec: collectives.CollectiveSpec | None = None  # the registry's entry it built
         self.fell_back = False  # auto on an uneven layout: flat
@@ -93,7 +96,7 @@ class ClusterCollective:
             if not self.bucket_cap_mb:
                 return inner(sizes, group=group, device=device, ledger=ledger)
             self.chosen += f", buckets of {self.bucket_cap_mb:g} MB{' overlapped with backward' if self.overlap else ''}"
-            return BucketedCollective(sizes, group, device, ledger, inner=inner, bucket_cap_mb=self.bucket_cap_mb, overlap=self.overlap)
+            return BucketedCollective(sizes, group, device, ledger, inner=inner, bucket_cap_mb=self.bucket_cap_mb, overlap=self.overlap, order=self.order)
 
 
 def shard_collective(topology: str, kernels: str, bucket_cap_mb: float, overlap: bool, order: TensorOrder) -> tuple[CollectiveFactory, str]:

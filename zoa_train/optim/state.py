@@ -89,7 +89,7 @@ class OptimizerState:
         layouts = self.collective.layout_state() if self.collective is not None else None
         if saved.get("layouts") and layouts and saved["layouts"] != layouts:  # e.g. another comm.bucket_cap_mb
             raise TopologyChanged(
-                f"the {name} state was saved in another 1-bit layout of the parameters (another comm.bucket_cap_mb); "
+                f"the {name} state was saved in another 1-bit layout of the parameters (another comm.bucket_cap_mb or bucket order); "
                 "resume with the same comm settings, or pass --reshard to continue with the error buffers at zero"
             )
         if saved.get("sizes") != [f.size for f in self._flat]:

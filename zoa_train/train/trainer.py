@@ -29,6 +29,7 @@ import yaml
 
 from zoa_train.comm import ClusterCollective, TopologyChanged
 from zoa_train.comm import registry as collectives
+from zoa_train.comm.buckets import listing_order
 from zoa_train.comm.cluster import shard_collective
 from zoa_train.comm.sharding import gradient_order, load_full_model_state, local_shard, node_sharding
 from zoa_train.config import CommConfig, Recipe, check_batch_layout, clip_rule, recipe_from_dict, rounds_kept_in_step
@@ -231,7 +232,9 @@ class Trainer:
                 print(f"sharded inside the node (FSDP2), {self.sharding.describe()}; {described}", flush=True)
         else:
             self.sharding = None
-            sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap)
+            # buckets in the order backward finishes the layers, across the parameter groups
+            order = listing_order(self.model, parameter_groups(self.model, weight_decay=0.0))
+            sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap, order)
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync, sharding=self.sharding)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # this rank's shards when sharded
         self.clip_rule = clip_rule(recipe)
