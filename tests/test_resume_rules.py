@@ -60,6 +60,7 @@ PROBES = {
     "train.backend": "gloo",
     "train.nproc": 1,
     "comm.ranks_per_node": 1,
+    "train.grad_clip_rule": "bucket",  # auto is the global rule without comm.overlap
 }
 
 # Keys that by design leave the model's training as it was (the final model is the same to the bit):
