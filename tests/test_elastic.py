@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import refused, zoa, zoa_here
 from distributed_harness import free_port
-from test_faults import signal_the_ranks, thirty_steps, wait_for_step
+from test_faults import signal_the_ranks, start_run, thirty_steps, wait_for_step
 
 from zoa_train.train.rundir import complete_checkpoints, read_marker
 
@@ -128,13 +128,7 @@ def test_an_elastic_run_s_stop_checkpoint_is_synchronised_and_continues_at_anoth
     # parameters differ. torchrun stops the ranks so when a node joins; the checkpoint must then reshard.
     args = thirty_steps(cache_dir, "optimizer.local_step_interval=16", "train.elastic=reshard", "train.global_batch_size=32", "train.micro_batch_size=8")
     run_dir = tmp_path / "run"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = start_run(run_dir, *args)
     wait_for_step(run, run_dir / "metrics.jsonl", 3)
     signal_the_ranks(run)
     _, stderr = run.communicate(timeout=300)

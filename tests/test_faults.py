@@ -89,6 +89,12 @@ def uninterrupted(tmp_path_factory, cache_dir) -> dict:
     return torch.load(whole / "checkpoints" / "step_00000030" / "model.pt")
 
 
+def start_run(run_dir: Path, *args: str) -> subprocess.Popen:
+    """`zoa-train run recipes/gpt2_tiny.yaml --out RUN_DIR ARGS` in the background, its output piped."""
+    command = [sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), *args]
+    return subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def wait_for_step(run: subprocess.Popen, metrics: Path, step: int) -> int:
     """Wait until rank 0 has logged `step` (log_every 1); returns the last step logged."""
     import json
@@ -132,13 +138,7 @@ def test_a_stop_signal_checkpoints_every_rank_and_resume_continues_exactly(tmp_p
 
     args = thirty_steps(cache_dir)
     stopped = tmp_path / "stopped"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(stopped), *args],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = start_run(stopped, *args)
     wait_for_step(run, stopped / "metrics.jsonl", 3)
     ranks = rank_pids(run.pid)
     send(run)
@@ -168,25 +168,7 @@ def test_a_killed_rank_restarts_every_rank_from_the_last_checkpoint_and_ends_on_
     # Checkpoints every 4 steps (some inside a local-step period); --overwrite on the first attempt
     # must not empty the directory on the restart.
     run_dir = tmp_path / "run"
-    run = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "zoa_train.cli",
-            "run",
-            "recipes/gpt2_tiny.yaml",
-            "--out",
-            str(run_dir),
-            "--overwrite",
-            "--max-restarts",
-            "1",
-            *thirty_steps(cache_dir, "train.checkpoint_every=4"),
-        ],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    run = start_run(run_dir, "--overwrite", "--max-restarts", "1", *thirty_steps(cache_dir, "train.checkpoint_every=4"))
     killed_at = wait_for_step(run, run_dir / "metrics.jsonl", 10)
     ranks = rank_pids(run.pid)
     assert len(ranks) == 2
