@@ -223,17 +223,18 @@ class Trainer:
         # fp16 would need the scale that flat fp16 rounds take, so it (and fp32) stays fp32 there.
         intra_dtype = torch.bfloat16 if recipe.optimizer.allreduce_dtype == "bf16" else torch.float32
         c = recipe.comm
+        groups = parameter_groups(self.model, weight_decay=0.0)  # the optimizer's groups of tensors, for the buckets' order
         if c.shard == "node":  # the model sharded inside each node, its shards exchanged flat between nodes
             self.sharding = node_sharding(c.ranks_per_node)
-            # buckets cut by whole tensors, in the order FSDP2 finishes its units (the groups' tensors are the same whatever the decay)
-            order = gradient_order(self.model, parameter_groups(self.model, weight_decay=0.0))
+            # buckets cut by whole tensors, in the order FSDP2 finishes its units
+            order = gradient_order(self.model, groups)
             sync, described = shard_collective(c.topology, c.kernels, c.bucket_cap_mb, c.overlap, order)
             if self.is_main:
                 print(f"sharded inside the node (FSDP2), {self.sharding.describe()}; {described}", flush=True)
         else:
             self.sharding = None
             # buckets in the order backward finishes the layers, across the parameter groups
-            order = listing_order(self.model, parameter_groups(self.model, weight_decay=0.0))
+            order = listing_order(self.model, groups)
             sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap, order)
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync, sharding=self.sharding)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # this rank's shards when sharded
