@@ -156,8 +156,10 @@ class TrainConfig:
     # What a resume at another world size does (a node lost or added under torchrun's elastic agent, a
     # Slurm job requeued on the nodes it has): off refuses it unless --reshard; reshard continues there on
     # its own, from the newest checkpoint taken at a synchronised step, and takes the periodic checkpoints
-    # at synchronised steps (docs/faults.md, "Elastic: a node leaves, the run goes on").
-    elastic: Literal["off", "reshard"] = "off"
+    # at synchronised steps (docs/faults.md, "Elastic: a node leaves, the run goes on"); live (zoa-train run's
+    # own ranks) drops a lost rank at the next collective and admits one that comes back at a later sync,
+    # while the others go on (docs/faults.md, "Live: the others go on").
+    elastic: Literal["off", "reshard", "live"] = "off"
     # Recompute each block's activations in backward instead of keeping them (torch's non-reentrant
     # checkpoint, per block of the model registry's ModelSpec.blocks): none, full (every block) or
     # selective (every other block: about half the saving for a quarter of the recompute).
@@ -439,6 +441,8 @@ def _check(recipe: Recipe, origin: str) -> None:
             f"{origin}: train.grad_clip_rule bucket clips inside the optimizers that sync themselves ({', '.join(n for n in registry.names() if registry.get(n).syncs_itself)}); "
             f"{o.name} reduces its gradients with DDP or FSDP2, so set train.grad_clip_rule global."
         )
+    if recipe.train.elastic == "live":
+        _check_live(recipe, origin)
     if o.name in ("zero_one_adam", "diloco") and o.sync_delay:
         if recipe.comm.overlap:
             rounds = "1-bit round" if o.name == "zero_one_adam" else "outer round"
@@ -449,6 +453,25 @@ def _check(recipe: Recipe, origin: str) -> None:
     from zoa_train.tasks import task_class  # imports nothing heavy
 
     task_class(recipe).check(recipe, origin)
+
+
+def _check_live(recipe: Recipe, origin: str) -> None:
+    """What train.elastic live does not (yet) combine with, refused before any rank starts."""
+    o, c, t = recipe.optimizer, recipe.comm, recipe.train
+    live = [n for n in registry.names() if registry.get(n).syncs_itself]
+    refusal = None
+    if not registry.get(o.name).syncs_itself:
+        refusal = f"optimizer.name {o.name} reduces its gradients with DDP, whose group cannot change while it runs; live takes {', '.join(live)}"
+    elif c.shard == "node":
+        refusal = "comm.shard node shards the model over a node's ranks, which a lost rank would take with it; set comm.shard none"
+    elif c.overlap:
+        refusal = "comm.overlap starts rounds during backward, which a lost rank could leave half done outside the step; set comm.overlap false"
+    elif o.sync_delay:
+        refusal = "optimizer.sync_delay lets a round run behind the next step, past the point where a lost rank is dropped; set optimizer.sync_delay 0"
+    elif t.backend == "nccl" or (t.backend == "auto" and _cuda_available()):
+        refusal = "it regroups the ranks over Gloo (CPU ranks) for now; set train.backend gloo"
+    if refusal:
+        raise UserError(f"{origin}: train.elastic live: {refusal}.")
 
 
 def _check_sharding(recipe: Recipe, origin: str) -> None:
@@ -502,3 +525,9 @@ def check_batch_layout(recipe: Recipe, world_size: int, origin: str = "recipe") 
             f"{origin}: train.global_batch_size {t.global_batch_size} is not divisible by micro_batch_size x world size = {t.micro_batch_size} x {world_size}."
         )
     return t.global_batch_size // per_step
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

@@ -76,11 +76,12 @@ def read_run(path: str | Path) -> RunLog:
 
 def _record_problem(record) -> str | None:
     """What makes `record` unlike a metrics record (an object with a step, an integer 0 or more, every
-    other value a number but step_kinds, a string, and the per-rank keys (`..._by_rank`), lists of numbers), or None."""
+    other value a number but step_kinds, a string, and the per-rank keys (`..._by_rank`) and the member ids of a
+    live run's membership change (`..._members`), lists of numbers), or None."""
     if not isinstance(record, dict):
         return f"is a JSON {type(record).__name__}, not an object"
     for key, value in record.items():
-        if key.endswith("_by_rank"):
+        if key.endswith(("_by_rank", "_members")):
             if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
                 return f"has {key} {json.dumps(value)}, which is not a list of numbers"
             continue

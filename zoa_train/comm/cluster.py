@@ -56,6 +56,10 @@ class ClusterCollective:
         self.fell_back = False  # auto on an uneven layout: flat
         self._groups: dict[tuple, NodeGroups] = {}
 
+    def forget_process_groups(self) -> None:
+        """Drop the node groups made so far: the world they were made in is gone (train.elastic live)."""
+        self._groups.clear()
+
     def __call__(self, sizes, *, group=None, device=None, ledger=None):
         world, _ = group_size_rank(group)
         if world > 1 and group is not None and world != dist.get_world_size():

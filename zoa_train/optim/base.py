@@ -250,12 +250,14 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         self.step_count = 0
         self._averaged: list[torch.Tensor] = []  # see average_at_sync
         self._clip_norm: float | None = None  # clip_by_bucket's
+        self._carried = None  # regroup's copy of the state, until it is laid out again
         self._lay_out()
         self._constructed = True
 
-    def _lay_out(self) -> None:
+    def _lay_out(self, broadcast: bool = True) -> None:
         """Over the process group as it is now: check that every rank holds the same model, start every
-        rank from rank 0's parameters, build the collective and lay the flat state out in its layouts."""
+        rank from rank 0's parameters (unless not `broadcast`), build the collective and lay the flat state
+        out in its layouts."""
         self.world_size, self.rank = group_size_rank(self.process_group)
         self._check_same_model()
         sizes = [[local_shard(p).numel() for p in group["params"]] for group in self.param_groups]
@@ -283,7 +285,8 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
         layouts = self.collective.layouts if self.collective is not None else [onebit_layout(s, 1) for s in sizes]
         self._flat = [FlatGroup(group["params"], layout) for group, layout in zip(self.param_groups, layouts)]
         self._lay_out_spans()
-        self._broadcast_parameters()
+        if broadcast:
+            self._broadcast_parameters()
         self._buffers: list[dict[str, torch.Tensor]] = [{} for _ in self._flat]
         self._scalars: list[dict[str, float]] = [{} for _ in self._flat]
         self._allocate_state()
@@ -560,6 +563,54 @@ class DataParallelOptimizer(OptimizerState, torch.optim.Optimizer):
             )
         self._bound = True
         self._lay_out()
+
+    def regroup(self, broadcast: bool = False) -> None:
+        """Lay the state out again over the default process group as it is now, after ranks left or joined a
+        running job (train.elastic live, zoa_train/train/live.py): this rank's buffers (momentum, variance,
+        anchor, and what it accumulated since the last exchange: local updates, the worker's 1-bit error)
+        carry over tensor by tensor into the new world size's layout; the server's 1-bit error starts at
+        zero. The parameters stay this rank's own, or with `broadcast` become rank 0's (a rank joins: every
+        rank then holds rank 0's, as at construction). Every rank of the new group calls it; a rank that
+        joins builds its optimizer instead, which runs the same collectives. If a rank is lost during it,
+        calling it again in the next group carries over the same state."""
+        self._wait_in_flight()
+        if self._carried is None:
+            accumulators = self.collective.accumulators if self.collective is not None else [None] * len(self._flat)
+            self._carried = [
+                ({name: [v.clone() for v in flat.views(b)] for name, b in buffers.items()}, [v.clone() for v in flat.views(acc)] if acc is not None else None)
+                for flat, buffers, acc in zip(self._flat, self._buffers, accumulators)
+            ]
+            self._carried_scalars = self._scalars
+        self._lay_out(broadcast)
+        accumulators = self.collective.accumulators if self.collective is not None else [None] * len(self._flat)
+        for flat, buffers, acc, (kept, accumulated) in zip(self._flat, self._buffers, accumulators, self._carried):
+            for name, views in kept.items():
+                torch._foreach_copy_(flat.views(buffers[name]), views)
+            if acc is not None and accumulated is not None:
+                torch._foreach_copy_(flat.views(acc), accumulated)
+        self._scalars, self._carried = self._carried_scalars, None
+
+    def broadcast_state(self) -> None:
+        """Every rank takes rank 0's state that a synchronised rank shares (its flat buffers, tensor by tensor,
+        and its schedules, scalars and ledger): a rank that joins a running job (train.elastic live) after
+        `regroup` laid it out. Its own state (1-bit errors, DiLoCo's inner moments) stays its own."""
+        for buffers in self._some_buffers(shared=True):
+            for name in sorted(buffers):
+                dist.broadcast(buffers[name], src=0)
+        small = [
+            {
+                "scalars": self._scalars,
+                "schedule": self.schedule.state_dict() if self.schedule is not None else None,
+                "ledger": self.ledger.state_dict(),
+                "step_count": self.step_count,
+            }
+        ]
+        dist.broadcast_object_list(small, src=0)
+        self._scalars = [dict(s) for s in small[0]["scalars"]]
+        if self.schedule is not None:
+            self.schedule.load_state_dict(small[0]["schedule"])
+        self.ledger.load_state_dict(small[0]["ledger"])
+        self.step_count = small[0]["step_count"]
 
     def _check_same_model(self) -> None:
         """Refuse ranks whose parameter groups differ (another model, another grouping): a fingerprint of

@@ -435,6 +435,10 @@ class SelfSyncing(_HoldsTorchOptimizer):
     def keep_rounds_in_step(self, reason: str) -> None:
         self.optimizer.keep_rounds_in_step(reason)
 
+    def regroup(self, broadcast: bool = False) -> None:
+        """The state laid out again over the process group as it is now (DataParallelOptimizer.regroup)."""
+        self.optimizer.regroup(broadcast)
+
     def clip_by_bucket(self, max_norm: float | None) -> None:
         self.optimizer.clip_by_bucket(max_norm)
 

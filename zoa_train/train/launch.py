@@ -13,6 +13,7 @@ from zoa_train.config import check_batch_layout, load_recipe
 from zoa_train.distributed import STOP_SIGNALS, LauncherSignalled, RankFailed, cluster_environment, launch_local, shares_agent_store
 from zoa_train.errors import UserError
 from zoa_train.files import check_directory, dumps_json
+from zoa_train.train.live import launch_live
 from zoa_train.train.rundir import RunDirectory
 from zoa_train.train.trainer import EXIT_PREEMPTED, CollectiveTimeout, run_rank
 
@@ -48,6 +49,11 @@ def train_recipe(
         raise UserError(
             "--max-restarts restarts ranks that zoa-train run starts itself; under torchrun pass --max-restarts to torchrun (a restarted rank resumes by itself), under srun let Slurm requeue the job."
         )
+    if config.train.elastic == "live" and cluster_environment() is not None:
+        raise UserError(
+            "train.elastic live runs on the ranks zoa-train run starts itself (--nproc), which meet in a store it keeps; "
+            "under torchrun or srun use train.elastic reshard."
+        )
     if config.train.elastic == "reshard" and "TORCHELASTIC_RUN_ID" in os.environ and cluster_environment() == "torchrun":
         check_elastic_launch(overwrite)
     reshard = reshard or config.train.elastic == "reshard"  # a resume at another world size is the recipe's to allow
@@ -61,7 +67,8 @@ def train_recipe(
         check_directory(Path(config.data.cache_dir).expanduser(), "data.cache_dir")
     try:
         if cluster_environment() is None:
-            results = launch_local(run_rank, world, config.to_dict(), str(run_dir), resume, overwrite, reshard, max_restarts=max_restarts)
+            launch = launch_live if config.train.elastic == "live" else launch_local
+            results = launch(run_rank, world, config.to_dict(), str(run_dir), resume, overwrite, reshard, max_restarts=max_restarts)
         else:
             results = [run_rank(config.to_dict(), str(run_dir), resume, overwrite, reshard)]
     except (RankFailed, CollectiveTimeout) as e:  # a fault, not bad input: exit 1, the rank's sentence

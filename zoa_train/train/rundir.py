@@ -292,6 +292,19 @@ class RunDirectory:
         two jobs lock two different files). A directory this job created and left holding only the lock
         (a run refused once its ranks had started) is removed, while still locked: no trace of it. A
         checkpoint still being written is waited for first (published, or its error said in the log)."""
+        self.settle_save()
+        if self._lock is not None:
+            if self._created and self.path.is_dir() and all(p.name == LOCK for p in self.path.iterdir()):
+                shutil.rmtree(self.path, ignore_errors=True)
+            try:
+                fcntl.flock(self._lock.fileno(), fcntl.LOCK_UN)
+            finally:
+                self._lock.close()
+                self._lock = None
+
+    def settle_save(self) -> None:
+        """Wait for a checkpoint still being written (published, or its error said in the log, not raised), and
+        let the next one make its process group anew (the ranks may have formed another world since)."""
         writing, self._writing = self._writing, None
         if writing is not None:
             writing.settle()
@@ -301,14 +314,7 @@ class RunDirectory:
                     writing.name,
                     str(writing.error).strip().splitlines()[0] if str(writing.error).strip() else type(writing.error).__name__,
                 )
-        if self._lock is not None:
-            if self._created and self.path.is_dir() and all(p.name == LOCK for p in self.path.iterdir()):
-                shutil.rmtree(self.path, ignore_errors=True)
-            try:
-                fcntl.flock(self._lock.fileno(), fcntl.LOCK_UN)
-            finally:
-                self._lock.close()
-                self._lock = None
+        self._group = None
 
     def __del__(self):
         try:

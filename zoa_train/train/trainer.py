@@ -15,6 +15,7 @@ averaged in full precision, and a global norm would cost a full-precision allred
 
 import contextlib
 import copy
+import functools
 import logging
 import random
 import signal
@@ -45,6 +46,7 @@ from zoa_train.precision import autocast
 from zoa_train.tasks import build_task
 from zoa_train.train import resume_rules
 from zoa_train.train.checkpointer import read_shards, shard_shapes
+from zoa_train.train.live import LiveMembership, LiveTraining, RunOver
 from zoa_train.train.loss_scaling import LossScaler
 from zoa_train.train.metrics import LogWindow, MetricsLogger
 from zoa_train.train.monitor import RankMonitor
@@ -89,6 +91,8 @@ def run_rank(recipe_dict: dict, run_dir: str, resume: str | None, overwrite: boo
     try:
         trainer = Trainer(recipe_from_dict(recipe_dict), Path(run_dir), resume, overwrite, reshard)
         return trainer.fit()
+    except RunOver:  # train.elastic live: the run ended while this rank waited to join
+        return None
     except UserError as e:
         _store_set(_FAILURE_KEY, str(e))
         return {"user_error": str(e)}
@@ -142,6 +146,12 @@ def _store_get(key: str, wait_s: float) -> str | None:
     return None
 
 
+def _summed(loss_sum: torch.Tensor) -> float:
+    total = loss_sum.clone()  # out of place: a failed allreduce leaves the step's loss as it was
+    dist.all_reduce(total)
+    return total.item()
+
+
 def _plain_numpy_state(state: tuple) -> tuple:
     """numpy's RNG state with its key array as a list of ints: a checkpoint holds plain values only."""
     name, keys, *rest = state
@@ -186,22 +196,33 @@ def rank_seed(seed: int, rank: int) -> int:
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1)
 
 
-class Trainer:
+class Trainer(LiveTraining):
     def __init__(self, recipe: Recipe, run_dir: Path, resume: str | None = None, overwrite: bool = False, reshard: bool = False):
         # train.elastic reshard: a resume at another world size (a node lost or added) needs no --reshard
         self.recipe, self.reshard = recipe, reshard or recipe.train.elastic == "reshard"
         t = recipe.train
-        self.device = init_process_group(None if t.backend == "auto" else t.backend, timeout_s=t.timeout_s)
+        # train.elastic live: ranks leave and join while the others go on (zoa_train/train/live.py)
+        self.live = LiveMembership("gloo", t.timeout_s) if t.elastic == "live" else None
+        if self.live is not None:
+            self.device = torch.device("cpu")
+            if not self.live.start():
+                raise RunOver()
+        else:
+            self.device = init_process_group(None if t.backend == "auto" else t.backend, timeout_s=t.timeout_s)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
         torch.set_num_threads(threads_per_rank(self.world))
         self.accum = check_batch_layout(recipe, self.world)
         self.run_dir = RunDirectory(run_dir)
-        checkpoint = self.run_dir.prepare(resume, overwrite, self.world, self.rank, self.reshard)
+        joining = self.live is not None and self.live.joining
+        # a rank that joins a live run takes its state from rank 0 (below), not from the run directory
+        checkpoint = None if joining else self.run_dir.prepare(resume, overwrite, self.world, self.rank, self.reshard)
         self._previous_handlers = {}
         self.stop_requested = False
         try:
-            self._build(recipe, resume, checkpoint)
+            self._build(recipe, resume if not joining else None, checkpoint)
+            if joining:
+                self.exchange_state()
         except BaseException:
             self.close()  # run_rank has no trainer to close yet: release the lock, workers and handlers here
             raise
@@ -236,6 +257,7 @@ class Trainer:
             # buckets in the order backward finishes the layers, across the parameter groups
             order = listing_order(self.model, groups)
             sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap, order)
+        self.sync = sync
         self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync, sharding=self.sharding)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # this rank's shards when sharded
         self.clip_rule = clip_rule(recipe)
@@ -314,6 +336,41 @@ class Trainer:
             record["seconds_down"] = round(max(0.0, time.time() - written), 3)
         self.metrics.log(record)
 
+    def _monitor(self) -> RankMonitor:
+        t = self.recipe.train
+        return RankMonitor(self.device, self.task.flops_per_unit(self.model), t.precision, t.peak_tflops, self.world, self.is_main)
+
+    def _record_memory(self, throughput: float) -> dict:
+        return self.monitor.record(throughput)  # self.monitor: after a regroup (train.elastic live), the new world's
+
+    def _refused_elsewhere(self) -> bool:
+        """Whether a rank stopped on bad input and left its sentence (run_rank): its exit broke this collective."""
+        return _store_get(_FAILURE_KEY, wait_s=0) is not None
+
+    def _position(self) -> dict:
+        """Where the run is (train.elastic live: what rank 0 sends a rank that joins)."""
+        return {
+            "step": self.step,
+            "scheduler": self.scheduler.state_dict()["last_epoch"],
+            "wall_time": self.wall_offset,
+            "skipped_nonfinite": self.skipped_nonfinite,
+            "save_due": self.save_due,
+            "stop_at": self.stop_at,
+            "loader": self.batches.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "recipe_changes": self.recipe_changes,
+        }
+
+    def _take_position(self, position: dict) -> None:
+        self.step, self.wall_offset, self.skipped_nonfinite = position["step"], position["wall_time"], position["skipped_nonfinite"]
+        self.save_due = position["save_due"]  # decides when the next checkpoint synchronises the ranks
+        self.stop_at = position["stop_at"]  # agreed in an earlier generation's keys
+        self.scheduler = self.recipe.lr_schedule().scheduler(self.opt.optimizer, start=position["scheduler"])
+        self.batches.load_state_dict(position["loader"])
+        self.scaler.load_state_dict(position["scaler"])
+        self.recipe_changes = position["recipe_changes"]
+        self._synced_at = self.step
+
     def _warn_about_the_plan(self, recipe: Recipe) -> None:
         """Say once (rank 0) what the optimizer's plan for this run warns of, e.g. 0/1 Adam's lr policy
         under a schedule that never lets it take a local step."""
@@ -337,34 +394,38 @@ class Trainer:
         t = self.recipe.train
         started = time.perf_counter() - self.wall_offset
         window = LogWindow(t.log_every, t.global_batch_size * self.task.units_per_sample, self.task.unit)
-        monitor = RankMonitor(self.device, self.task.flops_per_unit(self.model), t.precision, t.peak_tflops, self.world, self.is_main)
+        self.monitor = self._monitor()
         train_record, val_record = {}, {}
+        # Every collective below runs through _survive: under train.elastic live a lost rank is dropped there.
         while self.step < t.steps:
             taken = self.train_step()
             if taken is None:
                 continue  # every rank skipped it: no optimizer step, schedule or state touched
             loss_sum, lr, kind = taken
             self.step += 1
+            if not self.opt.parameters_differ:
+                self._synced_at = self.step
             window.add(kind)
             last = self.step == t.steps
             stopping = not last and self._stop_step() == self.step
             saving = self.should_save(last) or stopping
             log_now = window.should_log(self.step, last)
             if log_now or saving:
-                self._check_finite()  # before anything is logged or saved
+                self._survive(self._check_finite)  # before anything is logged or saved
             record = {}
             if log_now:
                 if last:
                     self.opt.wait_for_rounds()  # the final totals count a delayed round still running
-                dist.all_reduce(loss_sum)  # monitoring only: one scalar every log_every steps
-                train_record = window.record(loss_sum.item() / self.world, lr, self.ledger, self.opt.variance_updates)
-                train_record |= monitor.record(train_record[window.throughput_key])  # memory peaks: one small all-gather
+                total = self._survive(functools.partial(_summed, loss_sum))  # monitoring only: one scalar every log_every steps
+                train_record = window.record(total / self.world, lr, self.ledger, self.opt.variance_updates)
+                # memory peaks: one small all-gather
+                train_record |= self._survive(functools.partial(self._record_memory, train_record[window.throughput_key]))
                 record |= train_record
             paused = time.perf_counter()  # validation and checkpoints are not training throughput
             if last:
-                self.opt.synchronize()  # every rank ends on the same model
+                self._survive(self.opt.synchronize, undo=True)  # every rank ends on the same model
             if self.should_validate(last):
-                val_record = self.validate()
+                val_record = self._survive(self.validate)
                 record |= val_record
             if record:
                 self.metrics.log({"step": self.step, **record, "wall_time": time.perf_counter() - started})
@@ -372,13 +433,17 @@ class Trainer:
                 if stopping and t.elastic == "reshard" and self.opt.parameters_differ:
                     self.opt.synchronize()  # a stop is how torchrun changes membership: its checkpoint must reshard
                 self.wall_offset = time.perf_counter() - started
-                self.save()
+                self._survive(self.save)
             if stopping:
                 self.run_dir.wait_for_save()  # published before the rank exits
                 log.warning("stopped at step %d on a termination signal, after a complete checkpoint", self.step)
                 return {"preempted": True, "step": self.step, "run_dir": str(self.run_dir.path)}
             window.exclude(time.perf_counter() - paused)
+            if self.live is not None and not last:
+                self.admit_joiners()
         self.run_dir.wait_for_save()  # the last checkpoint published before the run ends
+        if self.live is not None:
+            self.live.finish()  # ranks still waiting to join give up
         if not self.is_main:
             return None
         summary = {"step": self.step, **train_record, **val_record, "wall_time": time.perf_counter() - started}
@@ -404,7 +469,7 @@ class Trainer:
         if self.opt.parameters_differ:
             if self.step - self.save_due < self.opt.max_steps_apart:
                 return False
-            self.opt.synchronize()
+            self._survive(self.opt.synchronize, undo=True)
         self.save_due = None
         return True
 
@@ -431,7 +496,7 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
         lr = self.opt.lr
         self.phase = "the optimizer step (its allreduce)"
-        kind = self.opt.step()
+        kind = self._survive(self.opt.step, undo=self.opt.next_step_communicates())
         self.phase = "logging, validation or a checkpoint"
         self.scheduler.step()
         self.opt.zero_grad()
@@ -497,9 +562,12 @@ class Trainer:
         return torch.tensor(step, dtype=torch.int64, device=self.device)
 
     def _nonfinite_anywhere(self, loss: torch.Tensor) -> bool:
-        flag = (~torch.isfinite(loss)).to(torch.float32).reshape(1)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        def anywhere() -> bool:
+            flag = (~torch.isfinite(loss)).to(torch.float32).reshape(1)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return bool(flag.item())
+
+        return self._survive(anywhere)
 
     def _check_finite(self) -> None:
         """Stop every rank, before it logs or saves, if any rank's loss was NaN or infinite since the last check."""
@@ -571,7 +639,10 @@ class Trainer:
             self.stop_requested = True
 
         t = self.recipe.train
-        self.run_dir.save_in_background(self.step, self.rank, self.world, rank_state, shared, t.keep_checkpoints, synced, sharded, t.timeout_s, failed)
+        if self.live is not None:  # a write broken by a lost rank is not a reason to stop: the next checkpoint follows
+            self._settle_save()
+        on_failure = failed if self.live is None else None
+        self.run_dir.save_in_background(self.step, self.rank, self.world, rank_state, shared, t.keep_checkpoints, synced, sharded, t.timeout_s, on_failure)
 
     def _load(self, path: Path) -> None:
         # Everything is read to the CPU and copied into place: loading onto the GPU would hold
