@@ -338,6 +338,8 @@ def _coerce(value, kind, origin: str, key: str):
         inner = [a for a in args if a is not type(None)]
         return _coerce(value, inner[0], origin, key)
     if origin_type is Literal:
+        if value is False and "off" in args:  # YAML 1.1 reads an unquoted off as false (train.elastic: off)
+            value = "off"
         if value not in args:
             raise UserError(f"{origin}: {key} must be one of {', '.join(map(str, args))}, not {value!r}.")
         return value

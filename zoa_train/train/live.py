@@ -76,6 +76,8 @@ class LiveMembership:
         self.joins_seen = 0  # join requests admitted so far (the store's counter)
         self._seq = 0  # the generation's numbered calls so far
         self._stop = threading.Event()
+        self._lock = threading.Lock()  # the generation and its connections, between the main and the heartbeat thread
+        self._connections: dict[int, str] = {}
 
     # ---- the process group of a generation ----------------------------------------------------------
 
@@ -113,14 +115,20 @@ class LiveMembership:
             world_size=len(self.members),
             timeout=self.timeout,
         )
-        self._connections = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}  # Gloo's, made by the init
+        with self._lock:
+            self._connections = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}  # Gloo's, made by the init
 
-    def _close_connections(self) -> None:
-        """Shut this generation's Gloo connections down, so that a member still waiting in a collective on this
-        rank fails at once rather than after train.timeout_s. (Destroying the group does not close them: torch
-        keeps references to the world group.) Their listening socket is left to Gloo."""
+    def _close_connections(self, generation: int | None = None) -> None:
+        """Shut this generation's Gloo connections down (if it is still `generation`), so that a collective
+        waiting on them, this rank's or another member's, fails at once rather than after train.timeout_s.
+        (Destroying the group does not close them: torch keeps references to the world group.) Their
+        listening socket is left to Gloo."""
+        with self._lock:
+            if generation is not None and generation != self.generation:
+                return
+            connections, self._connections = self._connections, {}
         for fd, link in _sockets().items():
-            if self._connections.get(fd) != link:
+            if connections.get(fd) != link:
                 continue
             connection = socket.socket(fileno=fd)
             try:
@@ -130,7 +138,6 @@ class LiveMembership:
                 pass  # closed by Gloo meanwhile
             finally:
                 connection.detach()  # the descriptor stays Gloo's
-        self._connections = {}
 
     def _key(self, name: str) -> str:
         return f"{PREFIX}/{self.generation}/{name}"
@@ -154,8 +161,13 @@ class LiveMembership:
                 return self.fail(call)
 
     def fail(self, call: int) -> bool:
-        """This rank's collective of `call` failed: decide "failed" unless it was decided already."""
-        return self.store.compare_set(self._key(f"call/{call}"), "", "failed") == b"done"
+        """This rank's collective of `call` failed: decide "failed" unless it was decided already, and tell every
+        member that the generation ends (their heartbeat threads close their connections, which frees a member
+        waiting in a collective on a hung one)."""
+        done = self.store.compare_set(self._key(f"call/{call}"), "", "failed") == b"done"
+        if not done:
+            self.store.set(self._key("failed"), "1")
+        return done
 
     # ---- membership changes -------------------------------------------------------------------------
 
@@ -163,6 +175,9 @@ class LiveMembership:
         while not self._stop.wait(BEAT_S):
             with contextlib.suppress(Exception):  # the store is gone: the run is over
                 self._beat(self._beat_store)
+                generation = self.generation
+                if self._connections and self._beat_store.check([f"{PREFIX}/{generation}/failed"]):
+                    self._close_connections(generation)
 
     def _beat(self, store) -> None:
         store.set(f"{PREFIX}/beat/{self.id}", json.dumps({"t": time.time(), "host": socket.gethostname(), "pid": os.getpid()}))
@@ -184,8 +199,10 @@ class LiveMembership:
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
         self.store.set(self._key(f"arrived/{self.id}"), "1")
+        self.store.set(self._key("failed"), "1")
         if self.store.add(self._key("decider"), 1) == 1:
-            deadline = time.monotonic() + self.timeout.total_seconds()
+            # a member still in a collective is freed when the heartbeat thread closes its connections, or by its timeout
+            deadline = time.monotonic() + self.timeout.total_seconds() + 2 * STALE_S
             while True:
                 arrived = [m for m in self.members if self.store.check([self._key(f"arrived/{m}")])]
                 missing = [m for m in self.members if m not in arrived]
@@ -227,6 +244,7 @@ class LiveMembership:
                 self.store.set(f"{PREFIX}/admitted/{j}", str(self.generation + 1))
         record = json.loads(self.store.get(self._key("next")))
         joined = [m for m in record["members"] if m not in self.members]
+        self._close_connections()  # every member has committed its last call of this generation
         dist.destroy_process_group()
         self.members, self.joins_seen, self.generation = record["members"], record["joins_seen"], self.generation + 1
         self._init_group()

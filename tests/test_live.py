@@ -1,0 +1,205 @@
+"""train.elastic live (docs/faults.md, "Live: the others go on"; zoa_train/train/live.py): a lost rank is dropped
+at the next collective and the survivors go on without restarting; a rank started again joins at a later sync.
+
+- the optimizers' regroup: what each rank accumulated since the last exchange carries over tensor by tensor into
+  the new world size's layout, and the next sync makes the survivors' parameters identical;
+- whole runs on 3 ranks under zoa-train run's own launcher: a rank killed inside a local-step period and one hung
+  (its collectives time out), each dropped while the other ranks' processes go on, each started again and
+  joining from rank 0; a rank dying inside a 1-bit round (after its first pass), and a second one dying while the
+  others regroup.
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import refused, zoa, zoa_here
+from distributed_harness import run_ranks
+from test_faults import rank_pids, start_run, wait_for_step
+
+from zoa_train.comm import OneBitAllReduce
+from zoa_train.optim import OneBitAdam, ZeroOneAdam
+from zoa_train.optim.diloco import DiLoCo
+from zoa_train.train.live import STALE_S
+from zoa_train.train.rundir import read_marker
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# ---- the optimizers' regroup ---------------------------------------------------------------------
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.hidden = torch.nn.Linear(6, 13)
+        self.head = torch.nn.Linear(13, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.hidden(x)))
+
+
+OPTIMIZERS = {
+    "zero_one_adam": lambda p: ZeroOneAdam(p, lr=1e-2, var_freeze_step=2, local_steps="fixed", local_step_interval=4, collective=OneBitAllReduce),
+    "onebit_adam": lambda p: OneBitAdam(p, lr=1e-2, freeze_step=2, collective=OneBitAllReduce),
+    "diloco": lambda p: DiLoCo(p, lr=1e-2, sync_every=4, outer_collective=OneBitAllReduce),
+}
+
+
+def _per_tensor(opt) -> dict[str, list[torch.Tensor]]:
+    """Every flat buffer and the collective's accumulators, cut per tensor (the form that survives a relayout)."""
+    found = {}
+    for g, (flat, buffers) in enumerate(zip(opt._flat, opt._buffers)):
+        for name, buffer in buffers.items():
+            found[f"{name}/{g}"] = [v.clone() for v in flat.views(buffer)]
+        if opt.collective is not None:
+            found[f"accumulator/{g}"] = [v.clone() for v in flat.views(opt.collective.accumulators[g])]
+    return found
+
+
+def _regroup_after_a_rank_leaves(rank, world, name, store_path):
+    torch.manual_seed(0)
+    model = Net()
+    opt = OPTIMIZERS[name](list(model.parameters()))
+    torch.manual_seed(rank + 1)
+    steps = 7  # past the warm-up, inside a local-step period (0/1 Adam: syncs at 2, 3, 7 ...; DiLoCo: 4, 8)
+    for _ in range(steps):
+        model(torch.randn(8, 6)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    before = _per_tensor(opt)
+    params = [p.detach().clone() for p in model.parameters()]
+    differed = opt.parameters_differ
+    dist.destroy_process_group()
+    # Rank 2 leaves; ranks 0 and 1 meet in a new group, as the live trainer's next generation does.
+    if rank == 2:
+        dist.init_process_group("gloo", store=dist.FileStore(store_path + ".alone", 1), rank=0, world_size=1)
+        return None
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    opt.regroup()
+    after = _per_tensor(opt)
+    carried = {key: all(torch.equal(a, b) for a, b in zip(before[key], after[key])) for key in before}
+    kept = all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    servers = [s["server_error"].abs().sum().item() for s in opt.collective.state_dicts() if "server_error" in s] if opt.collective else []
+    opt.synchronize()
+    synced = [p.detach().clone() for p in model.parameters()]
+    return {"world": opt.world_size, "differed": differed, "carried": carried, "kept": kept, "servers": servers, "synced": synced}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_regroup_carries_each_ranks_state_tensor_by_tensor_into_the_new_layout_and_the_next_sync_agrees(tmp_path, name):
+    results = run_ranks(_regroup_after_a_rank_leaves, 3, name, str(tmp_path / "store"))
+    for r in results[:2]:
+        assert r["world"] == 2
+        # inside a local-step period, where each rank's own state is what must carry over (1-bit Adam: its worker error)
+        assert r["differed"] == (name != "onebit_adam")
+        assert all(r["carried"].values()), {k: v for k, v in r["carried"].items() if not v}
+        assert r["kept"], "a survivor keeps its own parameters (no broadcast when nobody joins)"
+        assert all(s == 0 for s in r["servers"])  # the server's 1-bit error is of the old chunks: zero
+    for a, b in zip(results[0]["synced"], results[1]["synced"]):
+        assert torch.equal(a, b)
+
+
+# ---- refusals ------------------------------------------------------------------------------------
+
+
+def test_live_under_torchrun_is_refused_in_one_sentence(tmp_path, capsys, monkeypatch):
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    run_dir = tmp_path / "run"
+    done = zoa_here(capsys, "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--set", "train.elastic=live")
+    refused(done, "train.elastic live runs on the ranks zoa-train run starts itself (--nproc)")
+    assert not run_dir.exists()
+
+
+# ---- whole runs -------------------------------------------------------------------------------------
+
+STEPS = 60
+
+
+def sets(cache_dir: Path, *extra: str) -> list[str]:
+    """0/1 Adam with local-step periods of 3 steps after its variance freezes at step 12; global batches of 24 in
+    micro-batches of 4 (2 a step on each of 3 ranks, 3 on each of 2); a collective waits 15 s for a hung rank."""
+    pairs = [
+        f"train.steps={STEPS}",
+        "train.log_every=1",
+        "train.val_every=0",
+        "train.val_batches=2",
+        "train.checkpoint_every=8",
+        "train.global_batch_size=24",
+        "train.micro_batch_size=4",
+        "train.elastic=live",
+        "train.timeout_s=15",
+        "optimizer.var_freeze_step=12",
+        "optimizer.lr=0.001",
+        "optimizer.local_steps=fixed",
+        "optimizer.local_step_interval=3",
+        "logging.wandb=disabled",
+        "logging.tensorboard=false",
+        f"data.cache_dir={cache_dir}",
+        *extra,
+    ]
+    return [a for s in pairs for a in ("--set", s)]
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def wait_for(run, run_dir: Path, key: str, count: int) -> dict:
+    """The `count`-th membership record with `key` (left_members, joined_members)."""
+    deadline = time.monotonic() + 300
+    while True:
+        found = [r for r in records(run_dir) if key in r] if (run_dir / "metrics.jsonl").is_file() else []
+        if len(found) >= count:
+            return found[count - 1]
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+        time.sleep(0.1)
+
+
+@pytest.mark.slow  # three ranks killed, hung and started again, and a reference run
+def test_a_killed_and_a_hung_rank_are_dropped_while_the_others_go_on_and_each_joins_again_from_rank_0(tmp_path, cache_dir):
+    reference = tmp_path / "reference"
+    whole = zoa("run", "recipes/gpt2_tiny.yaml", "--out", str(reference), "--nproc", "3", *sets(cache_dir, "train.elastic=off"))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+
+    run_dir = tmp_path / "live"
+    run = start_run(run_dir, "--nproc", "3", "--max-restarts", "2", *sets(cache_dir))
+    wait_for_step(run, run_dir / "metrics.jsonl", 14)  # after the sync at step 13 (syncs every 3 steps from 12 on)
+    first = rank_pids(run.pid)
+    assert len(first) == 3
+    os.kill(first[2], signal.SIGKILL)
+    left = wait_for(run, run_dir, "left_members", 1)
+    assert left["left_members"] == [2] and left["world_size"] == 2 and left["world_size_before"] == 3
+    assert left["seconds_down"] < 5  # seen at the next collective: the dead rank's connections are closed
+    assert 0 <= left["steps_dropped"] <= 3 and left["samples_dropped"] == left["steps_dropped"] * 8
+    assert set(first[:2]) <= set(rank_pids(run.pid)), "the survivors go on in their own processes"
+    joined = wait_for(run, run_dir, "joined_members", 1)
+    assert joined["joined_members"] == [2] and joined["world_size"] == 3 and joined["step"] > left["step"]
+
+    # A hung rank (stopped): the others drop it (at most train.timeout_s later) and go on; once
+    # it runs again it finds itself dropped, stops, and is started again.
+    now = rank_pids(run.pid)
+    assert first[0] in now and first[1] in now
+    os.kill(first[1], signal.SIGSTOP)
+    hung = wait_for(run, run_dir, "left_members", 2)
+    os.kill(first[1], signal.SIGCONT)
+    assert hung["left_members"] == [1] and hung["world_size"] == 2
+    # seen when its heartbeat aged past STALE_S (the others waiting for its commit) or its collective timed out
+    assert STALE_S <= hung["seconds_down"] < 15 + 2 * STALE_S
+    _, err = run.communicate(timeout=300)
+    assert run.returncode == 0, err[-3000:]
+    assert "member 1 arrived after the others had formed generation" in err
+
+    done = records(run_dir)
+    assert done[-1]["step"] == STEPS
+    assert [r["step"] for r in done if "loss" in r] == list(range(1, STEPS + 1)), "every step logged once"
+    final = run_dir / "checkpoints" / f"step_{STEPS:08d}"
+    assert read_marker(final)["synced"]  # every rank ended on the same model
+    val, val_reference = done[-1]["val_loss"], records(reference)[-1]["val_loss"]
+    assert abs(val / val_reference - 1) < 0.05, (val, val_reference)
