@@ -9,6 +9,7 @@ at the next collective and the survivors go on without restarting; a rank starte
   others regroup.
 """
 
+import functools
 import json
 import os
 import signal
@@ -23,9 +24,10 @@ from distributed_harness import run_ranks
 from test_faults import rank_pids, start_run, wait_for_step
 
 from zoa_train.comm import OneBitAllReduce
+from zoa_train.config import load_recipe
 from zoa_train.optim import OneBitAdam, ZeroOneAdam
 from zoa_train.optim.diloco import DiLoCo
-from zoa_train.train.live import STALE_S
+from zoa_train.train.live import STALE_S, launch_live
 from zoa_train.train.rundir import read_marker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,8 +126,12 @@ STEPS = 60
 
 def sets(cache_dir: Path, *extra: str) -> list[str]:
     """0/1 Adam with local-step periods of 3 steps after its variance freezes at step 12; global batches of 24 in
-    micro-batches of 4 (2 a step on each of 3 ranks, 3 on each of 2); a collective waits 15 s for a hung rank."""
-    pairs = [
+    micro-batches of 4 (2 a step on each of 3 ranks, 3 on each of 2, 6 on 1); a collective waits 15 s for a hung rank."""
+    return [a for s in sets_of(cache_dir, *extra) for a in ("--set", s)]
+
+
+def sets_of(cache_dir: Path, *extra: str) -> list[str]:
+    return [
         f"train.steps={STEPS}",
         "train.log_every=1",
         "train.val_every=0",
@@ -144,7 +150,6 @@ def sets(cache_dir: Path, *extra: str) -> list[str]:
         f"data.cache_dir={cache_dir}",
         *extra,
     ]
-    return [a for s in pairs for a in ("--set", s)]
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -203,3 +208,23 @@ def test_a_killed_and_a_hung_rank_are_dropped_while_the_others_go_on_and_each_jo
     assert read_marker(final)["synced"]  # every rank ended on the same model
     val, val_reference = done[-1]["val_loss"], records(reference)[-1]["val_loss"]
     assert abs(val / val_reference - 1) < 0.05, (val, val_reference)
+
+
+@pytest.mark.slow  # three ranks, two of which die at chosen points
+def test_a_rank_dying_inside_a_1bit_round_and_another_while_the_others_regroup_leave_the_last_one_going_on(tmp_path, cache_dir):
+    from live_faults import faulty_rank
+
+    # 1-bit Adam (a 1-bit round every step from step 12): member 2 dies in its 5th round, between the round's two
+    # passes, so that member 0 and 1 have sent and received its first; member 1 dies in the regroup that follows.
+    recipe = load_recipe(ROOT / "recipes/gpt2_tiny.yaml", [*sets_of(cache_dir), "optimizer.name=onebit_adam", "optimizer.freeze_step=12"])
+    run_dir = tmp_path / "run"
+    launched = launch_live(functools.partial(faulty_rank, {2: ("round", 5), 1: ("regroup", 1)}), 3, recipe.to_dict(), str(run_dir), None, True, False, max_restarts=2)
+    assert launched[0]["step"] == STEPS
+    changes = [r for r in records(run_dir) if "left_members" in r or "joined_members" in r]
+    left = [m for r in changes for m in r.get("left_members", [])]
+    assert sorted(left) == [1, 2], changes
+    first = next(r for r in changes if "left_members" in r)
+    assert first["step"] == 16 and first["steps_dropped"] == 1  # the round of step 17 failed: redone by the survivors
+    assert any(r.get("world_size") == 1 for r in changes), "member 0 went on alone while the others came back"
+    assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, STEPS + 1))
+    assert read_marker(run_dir / "checkpoints" / f"step_{STEPS:08d}")["synced"]

@@ -409,13 +409,14 @@ class LiveTraining:
 
     def _regroup_after_loss(self, began: float, error: Exception, step: int) -> None:
         """Form the next generation with the survivors and lay the run out over it; one metrics record."""
-        before = self.world
+        before, left = self.world, []
         self._settle_save()
         while True:
             try:
-                left = self.live.regroup_after_loss()
-                if not left:
+                lost = self.live.regroup_after_loss()
+                if not lost:
                     raise error  # nobody was lost: the failure was something else, and would repeat
+                left += lost
                 self._rejoin_world(broadcast=False)
                 break
             except Dropped:
