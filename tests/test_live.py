@@ -218,7 +218,9 @@ def test_a_rank_dying_inside_a_1bit_round_and_another_while_the_others_regroup_l
     # passes, so that member 0 and 1 have sent and received its first; member 1 dies in the regroup that follows.
     recipe = load_recipe(ROOT / "recipes/gpt2_tiny.yaml", [*sets_of(cache_dir), "optimizer.name=onebit_adam", "optimizer.freeze_step=12"])
     run_dir = tmp_path / "run"
-    launched = launch_live(functools.partial(faulty_rank, {2: ("round", 5), 1: ("regroup", 1)}), 3, recipe.to_dict(), str(run_dir), None, True, False, max_restarts=2)
+    launched = launch_live(
+        functools.partial(faulty_rank, {2: ("round", 5), 1: ("regroup", 1)}), 3, recipe.to_dict(), str(run_dir), None, True, False, max_restarts=2
+    )
     assert launched[0]["step"] == STEPS
     changes = [r for r in records(run_dir) if "left_members" in r or "joined_members" in r]
     left = [m for r in changes for m in r.get("left_members", [])]

@@ -195,6 +195,22 @@ BAD_RECIPES = {
         lambda r: (r["train"].update(grad_clip_rule="bucket"), r["optimizer"].update(name="adam")),
         "adam reduces its gradients with DDP or FSDP2, so set train.grad_clip_rule global",
     ),
+    "live under DDP": (
+        lambda r: (r["train"].update(elastic="live"), r["optimizer"].update(name="adam")),
+        "train.elastic live: optimizer.name adam reduces its gradients with DDP",
+    ),
+    "live with overlap": (
+        lambda r: (r["train"].update(elastic="live"), r.setdefault("comm", {}).update(overlap=True)),
+        "train.elastic live: comm.overlap starts rounds during backward",
+    ),
+    "live sharded": (
+        lambda r: (r["train"].update(elastic="live"), r.setdefault("comm", {}).update(shard="node", ranks_per_node=2)),
+        "train.elastic live: comm.shard node shards the model over a node's ranks",
+    ),
+    "live delayed": (
+        lambda r: (r["train"].update(elastic="live"), r["optimizer"].update(sync_delay=1)),
+        "train.elastic live: optimizer.sync_delay lets a round run behind the next step",
+    ),
 }
 
 

@@ -33,6 +33,7 @@ import multiprocessing
 import os
 import signal
 import socket
+import sys
 import threading
 import time
 from datetime import timedelta
@@ -286,7 +287,11 @@ def _live_rank(member: int, world: int, port: int, joining: bool, results, entry
     )
     for sig in STOP_SIGNALS:  # until the trainer installs its handler: a stop before then ends the rank
         signal.signal(sig, signal.SIG_DFL)
-    results.put((member, entrypoint(*args)))
+    try:
+        results.put((member, entrypoint(*args)))
+    except Dropped as e:  # the launcher starts it again if --max-restarts allows
+        print(f"zoa-train: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0) -> list:
@@ -439,7 +444,11 @@ class LiveTraining:
         if self.is_main:
             log.warning(
                 "member(s) %s left at step %d: %d ranks go on (%.2f s); their last %d step(s) since the last sync are dropped",
-                ", ".join(map(str, left)), step, self.world, record["seconds_down"], dropped,
+                ", ".join(map(str, left)),
+                step,
+                self.world,
+                record["seconds_down"],
+                dropped,
             )
             self.metrics.log(record)
 
@@ -465,7 +474,13 @@ class LiveTraining:
         if self.is_main:
             log.warning("member(s) %s joined at step %d: %d ranks go on", ", ".join(map(str, joined)), self.step, self.world)
             self.metrics.log(
-                {"step": self.step, "world_size": self.world, "world_size_before": before, "joined_members": joined, "seconds_down": round(time.monotonic() - began, 3)}
+                {
+                    "step": self.step,
+                    "world_size": self.world,
+                    "world_size_before": before,
+                    "joined_members": joined,
+                    "seconds_down": round(time.monotonic() - began, 3),
+                }
             )
 
     def exchange_state(self) -> None:
