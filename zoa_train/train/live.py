@@ -86,6 +86,7 @@ class LiveMembership:
         """Join the first generation, or (a rank started again) wait to be admitted to a later one; False
         when the run ended first. Initialises torch.distributed's default group."""
         if self.joining:
+            self.store.delete_key(f"{PREFIX}/admitted/{self.id}")  # an earlier process's admission
             n = self.store.add(f"{PREFIX}/joins", 1)
             self.store.set(f"{PREFIX}/join/{n}", str(self.id))
             key = f"{PREFIX}/admitted/{self.id}"
@@ -304,8 +305,11 @@ def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0) -> list:
     omp_before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
 
-    def start(member: int, joining: bool):
-        process = context.Process(target=_live_rank, args=(member, nproc, store.port, joining, results, entrypoint, args), daemon=False)
+    joining: set[int] = set()  # members started again: until admitted they wait on the others
+
+    def start(member: int, again: bool):
+        (joining.add if again else joining.discard)(member)
+        process = context.Process(target=_live_rank, args=(member, nproc, store.port, again, results, entrypoint, args), daemon=False)
         process.start()
         return process
 
@@ -340,8 +344,8 @@ def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0) -> list:
                     running[member] = start(member, True)  # it clears its mark once admitted
                 elif failure is None and finished_at is None:
                     failure = f"rank {member} exited with code {process.exitcode}"
-            if failure is not None and not running:
-                break
+            if running and all(m in joining and not store.check([f"{PREFIX}/admitted/{m}"]) for m in running):
+                store.set(f"{PREFIX}/done", "1")  # no member is left to admit those waiting to join
             time.sleep(0.1)
         while not results.empty():
             member, result = results.get()
