@@ -195,8 +195,8 @@ class LiveMembership:
 
     def regroup_after_loss(self) -> list[int]:
         """After a failed call: close this generation's process groups, agree on the survivors and form the
-        next generation with them; returns the member ids that left (none: the failure was not a lost
-        rank, and no group is formed). Raises Dropped if this rank is not among them."""
+        next generation with them; returns the member ids that left (none: every member was still there, a
+        false alarm or a failure that was not a lost rank). Raises Dropped if this rank is not among them."""
         self._close_connections()  # a member still waiting in a collective with this rank fails at once
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -216,8 +216,6 @@ class LiveMembership:
         left = [m for m in self.members if m not in record["members"]]
         if self.id not in record["members"]:
             raise Dropped(f"member {self.id} arrived after the others had formed generation {self.generation + 1} without it")
-        if not left:
-            return []  # the failure was not a lost rank: the caller raises it
         self.members, self.generation = record["members"], self.generation + 1
         self._init_group()
         return left
@@ -367,6 +365,10 @@ def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0) -> list:
     return ordered
 
 
+def _first_line(error: Exception) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
+
+
 class RunOver(Exception):
     """A rank that waited to join a live run found it over."""
 
@@ -378,6 +380,7 @@ class LiveTraining:
 
     live: LiveMembership | None
     _synced_at = 0  # the last step after which every rank held the same parameters
+    _false_alarms = 0  # regroups in a row that found every member there
 
     def _survive(self, fn, undo: bool = False):
         """fn(), which runs collectives of the training loop. Under train.elastic live it is one numbered call of
@@ -392,10 +395,11 @@ class LiveTraining:
             try:
                 result = fn()
                 if self.live.commit(call):
+                    self._false_alarms = 0
                     return result
                 error = RuntimeError("a rank was lost after the collective")
             except RuntimeError as e:  # Gloo's errors, torch.distributed's DistError
-                log.info("member %d: call %d failed after %.2f s: %s", self.live.id, call, time.monotonic() - began, str(e).strip().splitlines()[0][:200])
+                log.info("member %d: call %d failed after %.2f s: %s", self.live.id, call, time.monotonic() - began, _first_line(e))
                 if self._refused_elsewhere():
                     raise  # a rank stopped on bad input: run_rank reports its sentence
                 self.live.fail(call)
@@ -423,17 +427,27 @@ class LiveTraining:
         while True:
             try:
                 lost = self.live.regroup_after_loss()
-                if not lost:
-                    raise error  # nobody was lost: the failure was something else, and would repeat
                 left += lost
-                self._rejoin_world(broadcast=False)
-                break
+                if lost or self._false_alarms < 2:
+                    self._rejoin_world(broadcast=False)
             except Dropped:
                 raise
             except RuntimeError as e:  # another rank lost while regrouping: again, without it
                 if self._refused_elsewhere():
                     raise
-                log.warning("a rank was lost while the others regrouped (%s); regrouping again", str(e).strip().splitlines()[0][:200])
+                log.warning("a rank was lost while the others regrouped (%s); regrouping again", _first_line(e))
+                continue
+            if lost:
+                break
+            # Every member was there: a rank thought lost (its heartbeat late on a loaded host) was not, or the call
+            # failed for another reason, which would fail again: run again twice, then raised.
+            self._false_alarms += 1
+            if self._false_alarms > 2:
+                raise error
+            log.warning("a call failed and no rank was lost (%s); the ranks regrouped", _first_line(error))
+            break
+        if not left:
+            return
         dropped = max(0, step - self._synced_at)  # the lost ranks' steps since the last sync, which no survivor holds
         per_rank = self.recipe.train.global_batch_size // before
         record = {
