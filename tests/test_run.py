@@ -207,6 +207,10 @@ BAD_RECIPES = {
         lambda r: (r["train"].update(elastic="live"), r.setdefault("comm", {}).update(shard="node", ranks_per_node=2)),
         "train.elastic live: comm.shard node shards the model over a node's ranks",
     ),
+    "live on emulated nodes": (
+        lambda r: (r["train"].update(elastic="live"), r.setdefault("comm", {}).update(ranks_per_node=1)),
+        "train.elastic live: comm.ranks_per_node 1 emulates nodes of a fixed size",
+    ),
     "live delayed": (
         lambda r: (r["train"].update(elastic="live"), r["optimizer"].update(sync_delay=1)),
         "train.elastic live: optimizer.sync_delay lets a round run behind the next step",

@@ -468,6 +468,8 @@ def _check_live(recipe: Recipe, origin: str) -> None:
         refusal = "comm.shard node shards the model over a node's ranks, which a lost rank would take with it; set comm.shard none"
     elif c.overlap:
         refusal = "comm.overlap starts rounds during backward, which a lost rank could leave half done outside the step; set comm.overlap false"
+    elif c.ranks_per_node:
+        refusal = f"comm.ranks_per_node {c.ranks_per_node} emulates nodes of a fixed size, which a lost rank would leave uneven; set comm.ranks_per_node 0"
     elif o.sync_delay:
         refusal = "optimizer.sync_delay lets a round run behind the next step, past the point where a lost rank is dropped; set optimizer.sync_delay 0"
     elif t.backend == "nccl" or (t.backend == "auto" and _cuda_available()):
