@@ -13,6 +13,8 @@ import functools
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +22,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from conftest import refused, zoa, zoa_here
-from distributed_harness import run_ranks
+from distributed_harness import free_port, run_ranks
 from test_faults import rank_pids, start_run, wait_for_step
 
 from zoa_train.comm import OneBitAllReduce
@@ -230,3 +232,39 @@ def test_a_rank_dying_inside_a_1bit_round_and_another_while_the_others_regroup_l
     assert any(r.get("world_size") == 1 for r in changes), "member 0 went on alone while the others came back"
     assert [r["step"] for r in records(run_dir) if "loss" in r] == list(range(1, STEPS + 1))
     assert read_marker(run_dir / "checkpoints" / f"step_{STEPS:08d}")["synced"]
+
+
+@pytest.mark.slow  # three launchers as three machines, one lost and started again
+def test_a_machine_lost_and_started_again_leaves_and_joins_while_the_other_machines_go_on(tmp_path, cache_dir):
+    store, run_dir = f"127.0.0.1:{free_port()}", tmp_path / "run"
+
+    def machine(rank: int) -> subprocess.Popen:
+        command = [sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--nproc", "1"]
+        command += ["--nnodes", "3", "--node-rank", str(rank), "--store", store, *sets(cache_dir)]
+        with open(tmp_path / f"machine{rank}.log", "a") as log:
+            return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+    machines = [machine(r) for r in range(3)]
+    wait_for_step(machines[0], run_dir / "metrics.jsonl", 14)
+    lost = [machines[2].pid, *rank_pids(machines[2].pid)]  # the machine's launcher and its rank, at once
+    for pid in lost:
+        os.kill(pid, signal.SIGKILL)
+    left = wait_for(machines[0], run_dir, "left_members", 1)
+    assert left["left_members"] == [2] and left["world_size"] == 2
+    machines[2] = machine(2)  # the machine comes back: the run is under way, so its rank joins
+    joined = wait_for(machines[0], run_dir, "joined_members", 1)
+    assert joined["joined_members"] == [2] and joined["world_size"] == 3
+    for m in machines:
+        assert m.wait(timeout=300) == 0, (tmp_path / "machine0.log").read_text()[-3000:]
+    done = records(run_dir)
+    assert [r["step"] for r in done if "loss" in r] == list(range(1, STEPS + 1))
+    assert read_marker(run_dir / "checkpoints" / f"step_{STEPS:08d}")["world_size"] == 3
+
+
+def test_machines_of_a_live_run_need_train_elastic_live_and_a_store(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    done = zoa_here(capsys, "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--nnodes", "2", "--store", "h:1")
+    refused(done, "--nnodes, --node-rank and --store start a train.elastic live run on several machines")
+    done = zoa_here(capsys, "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--nnodes", "2", "--set", "train.elastic=live")
+    refused(done, "--store must be HOST:PORT, where machine 0 keeps the run's store, not None.")
+    assert not run_dir.exists()

@@ -74,11 +74,20 @@ def run_command(
         ),
     ] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="At the end print the run's summary as one JSON object instead of text.")] = False,
+    nnodes: Annotated[
+        int,
+        typer.Option(help="train.elastic live on several machines: how many, each running this command with its --node-rank. [default: 1]", show_default=False),
+    ] = 1,
+    node_rank: Annotated[
+        int, typer.Option(help="train.elastic live: this machine's place among --nnodes (0 keeps the store). [default: 0]", show_default=False)
+    ] = 0,
+    store: Annotated[str, typer.Option(help="train.elastic live on several machines: HOST:PORT of the store machine 0 keeps.")] = "",
 ) -> None:
     """Train a recipe: builds the model, data and optimizer, logs metrics and writes checkpoints."""
-    from zoa_train.train.launch import train_recipe
+    from zoa_train.train.launch import LiveMachines, train_recipe
 
-    code = train_recipe(recipe, set_, nproc, out or Path("runs") / recipe.stem, resume or None, overwrite, reshard, max_restarts, as_json)
+    machines = LiveMachines(nnodes, node_rank, store or None)
+    code = train_recipe(recipe, set_, nproc, out or Path("runs") / recipe.stem, resume or None, overwrite, reshard, max_restarts, as_json, machines)
     if code:
         raise typer.Exit(code)
 

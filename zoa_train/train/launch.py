@@ -4,6 +4,7 @@ other endings are exit codes the CLI passes on."""
 
 import os
 import signal
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,12 +36,45 @@ def check_elastic_launch(overwrite: bool) -> None:
         )
 
 
+@dataclass(frozen=True)
+class LiveMachines:
+    """A train.elastic live run on several machines: `nnodes` of them, this one `node_rank`, meeting in the store
+    machine 0 keeps at `store` (HOST:PORT)."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    store: str | None = None
+
+    def check(self, elastic: str) -> None:
+        if (self.nnodes, self.node_rank, self.store) == (1, 0, None):
+            return
+        if elastic != "live":
+            raise UserError(
+                "--nnodes, --node-rank and --store start a train.elastic live run on several machines; other runs span machines under torchrun or srun."
+            )
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise UserError(f"--node-rank must be from 0 to --nnodes - 1 ({self.nnodes - 1}), not {self.node_rank}.")
+        host, _, port = (self.store or "").rpartition(":")
+        if self.nnodes > 1 and not (host and port.isdigit() and 0 < int(port) < 65536):
+            raise UserError(f"--store must be HOST:PORT, where machine 0 keeps the run's store, not {self.store!r}.")
+
+
 def train_recipe(
-    recipe: Path, overrides: list[str], nproc: int | None, run_dir: Path, resume: str | None, overwrite: bool, reshard: bool, max_restarts: int, as_json: bool
+    recipe: Path,
+    overrides: list[str],
+    nproc: int | None,
+    run_dir: Path,
+    resume: str | None,
+    overwrite: bool,
+    reshard: bool,
+    max_restarts: int,
+    as_json: bool,
+    machines: LiveMachines = LiveMachines(),
 ) -> int:
     """Train `recipe` into `run_dir`; the exit code: 0 done, 1 a rank's fault, EXIT_PREEMPTED (or
     128 + signal) stopped on a signal."""
     config = load_recipe(recipe, overrides)
+    machines.check(config.train.elastic)
     if reshard and not resume:
         raise UserError("--reshard continues a checkpoint at another number of ranks; pass --resume auto or --resume CHECKPOINT with it.")
     if max_restarts < 0:
@@ -60,15 +94,21 @@ def train_recipe(
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc must be at least 1, not {nproc}.")
     if cluster_environment() is None:
-        world = nproc or config.train.nproc
+        local = nproc or config.train.nproc
+        world = local * machines.nnodes
         check_batch_layout(config, world, str(recipe))
-        check_local_gpus(config.train.backend, world)
-        RunDirectory(run_dir).check(resume, overwrite, world, reshard)  # before any rank starts; every rank checks again
+        check_local_gpus(config.train.backend, local)
+        if machines.node_rank == 0:  # the others' ranks may join a run under way (its directory locked by rank 0)
+            RunDirectory(run_dir).check(resume, overwrite, world, reshard)  # before any rank starts; every rank checks again
         check_directory(Path(config.data.cache_dir).expanduser(), "data.cache_dir")
     try:
         if cluster_environment() is None:
-            launch = launch_live if config.train.elastic == "live" else launch_local
-            results = launch(run_rank, world, config.to_dict(), str(run_dir), resume, overwrite, reshard, max_restarts=max_restarts)
+            run_args = (config.to_dict(), str(run_dir), resume, overwrite, reshard)
+            if config.train.elastic == "live":
+                m = machines
+                results = launch_live(run_rank, local, *run_args, max_restarts=max_restarts, nnodes=m.nnodes, node_rank=m.node_rank, store_at=m.store)
+            else:
+                results = launch_local(run_rank, world, *run_args, max_restarts=max_restarts)
         else:
             results = [run_rank(config.to_dict(), str(run_dir), resume, overwrite, reshard)]
     except (RankFailed, CollectiveTimeout) as e:  # a fault, not bad input: exit 1, the rank's sentence

@@ -49,6 +49,7 @@ from zoa_train.train.metrics import MetricsLogger
 log = logging.getLogger(__name__)
 
 PREFIX = "zoa_live"
+STORE_WAIT_S = 300  # how long a launcher waits for machine 0's store
 BEAT_S = 0.5  # how often a rank writes its heartbeat
 STALE_S = 5.0  # a member whose heartbeat is older is gone (hung, or its host lost)
 MEMBER_ENV, JOIN_ENV = "ZOA_LIVE_MEMBER", "ZOA_LIVE_JOIN"
@@ -90,8 +91,12 @@ class LiveMembership:
             n = self.store.add(f"{PREFIX}/joins", 1)
             self.store.set(f"{PREFIX}/join/{n}", str(self.id))
             key = f"{PREFIX}/admitted/{self.id}"
+            waited = time.monotonic()
             while not self.store.check([key]):
                 if self.store.check([f"{PREFIX}/done"]):
+                    return False
+                if time.monotonic() - waited > STALE_S and self._nobody_to_admit():
+                    log.warning("member %d: no member of the run is left to admit it", self.id)
                     return False
                 time.sleep(0.1)
             generation = int(self.store.get(key))
@@ -119,6 +124,11 @@ class LiveMembership:
         )
         with self._lock:
             self._connections = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}  # Gloo's, made by the init
+        self.store.set(f"{PREFIX}/current", json.dumps(self.members))  # what a rank waiting to join looks at (the same on every member)
+
+    def _nobody_to_admit(self) -> bool:
+        """Whether every member of the newest generation is gone (a rank waiting to join then gives up)."""
+        return all(self._gone(m) for m in json.loads(self.store.get(f"{PREFIX}/current")))
 
     def _close_connections(self, generation: int | None = None) -> None:
         """Shut this generation's Gloo connections down (if it is still `generation`), so that a collective
@@ -272,15 +282,16 @@ def _sockets() -> dict[int, str]:
 # ---- the launcher -------------------------------------------------------------------------------
 
 
-def _live_rank(member: int, world: int, port: int, joining: bool, results, entrypoint, args) -> None:
+def _live_rank(member: int, world: int, local_world: int, host: str, port: int, joining: bool, results, entrypoint, args) -> None:
     os.environ.update(
         {
             MEMBER_ENV: str(member),
             JOIN_ENV: "1" if joining else "0",
             "RANK": str(member),
             "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(world),
-            "MASTER_ADDR": "127.0.0.1",
+            "LOCAL_RANK": str(member % local_world),
+            "LOCAL_WORLD_SIZE": str(local_world),
+            "MASTER_ADDR": host,
             "MASTER_PORT": str(port),
         }
     )
@@ -293,21 +304,24 @@ def _live_rank(member: int, world: int, port: int, joining: bool, results, entry
         sys.exit(1)
 
 
-def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0) -> list:
-    """Run entrypoint(*args) on `nproc` local ranks that meet in a store this process keeps (train.elastic
-    live). A rank that fails is started again as a rank that joins, up to `max_restarts` times in all, while
-    the others go on. Returns the ranks' results, the one holding the run's summary first."""
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0, nnodes: int = 1, node_rank: int = 0, store_at: str | None = None) -> list:
+    """Run entrypoint(*args) on `nproc` local ranks (train.elastic live), machine `node_rank` of `nnodes`: member ids
+    node_rank x nproc onwards. They meet in a store that machine 0's launcher keeps, at `store_at` (HOST:PORT; on
+    one machine a free port of 127.0.0.1). A rank that fails is started again as a rank that joins, up to
+    `max_restarts` times in all, while the others go on; a launcher started once the run is under way (a machine
+    that comes back) starts its ranks as ranks that join. Returns this machine's ranks' results, the one holding
+    the run's summary first."""
+    host, _, port = (store_at or "127.0.0.1:0").rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=node_rank == 0, wait_for_workers=False, timeout=timedelta(seconds=STORE_WAIT_S))
+    under_way = store.check([f"{PREFIX}/current"])  # a machine that comes back: its ranks join
     context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
     omp_before = os.environ.get("OMP_NUM_THREADS")
     os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
 
-    joining: set[int] = set()  # members started again: until admitted they wait on the others
-
     def start(member: int, again: bool):
-        (joining.add if again else joining.discard)(member)
-        process = context.Process(target=_live_rank, args=(member, nproc, store.port, again, results, entrypoint, args), daemon=False)
+        rank_args = (member, nnodes * nproc, nproc, host, store.port, again, results, entrypoint, args)
+        process = context.Process(target=_live_rank, args=rank_args, daemon=False)
         process.start()
         return process
 
@@ -319,7 +333,7 @@ def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0) -> list:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signum)
 
-    running = {member: start(member, False) for member in range(nproc)}
+    running = {member: start(member, under_way) for member in range(node_rank * nproc, (node_rank + 1) * nproc)}
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS} if in_main_thread else {}
     collected: dict[int, object] = {}
@@ -342,8 +356,6 @@ def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0) -> list:
                     running[member] = start(member, True)  # it clears its mark once admitted
                 elif failure is None and finished_at is None:
                     failure = f"rank {member} exited with code {process.exitcode}"
-            if running and all(m in joining and not store.check([f"{PREFIX}/admitted/{m}"]) for m in running):
-                store.set(f"{PREFIX}/done", "1")  # no member is left to admit those waiting to join
             time.sleep(0.1)
         while not results.empty():
             member, result = results.get()
@@ -360,9 +372,9 @@ def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0) -> list:
     if stopped:
         raise LauncherSignalled(stopped[0])
     ordered = sorted(collected.values(), key=lambda r: not (isinstance(r, dict) and "run_dir" in r))
-    if not ordered or (failure is not None and not any(isinstance(r, dict) for r in ordered)):
-        raise RankFailed(failure or "no rank returned")
-    return ordered
+    if failure is not None and not any(isinstance(r, dict) for r in ordered):
+        raise RankFailed(failure)
+    return ordered or [None]
 
 
 def _first_line(error: Exception) -> str:
