@@ -60,10 +60,6 @@ class Dropped(RuntimeError):
     may start it again, as a rank that joins."""
 
 
-def is_live() -> bool:
-    return MEMBER_ENV in os.environ
-
-
 class LiveMembership:
     """One rank's place in a live job: its member id, the generation and its members (ids in rank order)."""
 
@@ -195,9 +191,10 @@ class LiveMembership:
         store.set(f"{PREFIX}/beat/{self.id}", json.dumps({"t": time.time(), "host": socket.gethostname(), "pid": os.getpid()}))
 
     def _gone(self, member: int) -> bool:
-        if self.store.check([f"{PREFIX}/dead/{member}"]):
+        beat = f"{PREFIX}/beat/{member}"
+        if self.store.check([f"{PREFIX}/dead/{member}"]) or not self.store.check([beat]):
             return True
-        beat = json.loads(self.store.get(f"{PREFIX}/beat/{member}"))
+        beat = json.loads(self.store.get(beat))
         return time.time() - beat["t"] > STALE_S
 
     def _gone_members(self) -> list[int]:
