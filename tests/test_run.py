@@ -207,6 +207,10 @@ BAD_RECIPES = {
         lambda r: (r["train"].update(elastic="live"), r.setdefault("comm", {}).update(shard="node", ranks_per_node=2)),
         "train.elastic live: comm.shard node shards the model over a node's ranks",
     ),
+    "live node-aware": (
+        lambda r: (r["train"].update(elastic="live"), r.setdefault("comm", {}).update(topology="hierarchical")),
+        "train.elastic live: comm.topology hierarchical needs the same number of ranks on every node",
+    ),
     "live on emulated nodes": (
         lambda r: (r["train"].update(elastic="live"), r.setdefault("comm", {}).update(ranks_per_node=1)),
         "train.elastic live: comm.ranks_per_node 1 emulates nodes of a fixed size",

@@ -468,6 +468,8 @@ def _check_live(recipe: Recipe, origin: str) -> None:
         refusal = "comm.shard node shards the model over a node's ranks, which a lost rank would take with it; set comm.shard none"
     elif c.overlap:
         refusal = "comm.overlap starts rounds during backward, which a lost rank could leave half done outside the step; set comm.overlap false"
+    elif c.topology != collectives.AUTO and collectives.get(c.topology).node_aware:
+        refusal = f"comm.topology {c.topology} needs the same number of ranks on every node, which a lost rank breaks; set comm.topology auto (node-aware while the nodes are even)"
     elif c.ranks_per_node:
         refusal = f"comm.ranks_per_node {c.ranks_per_node} emulates nodes of a fixed size, which a lost rank would leave uneven; set comm.ranks_per_node 0"
     elif o.sync_delay:
