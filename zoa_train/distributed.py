@@ -179,13 +179,9 @@ def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
     config = LaunchConfig(**{key: value for key, value in options.items() if key in known})
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-    # Threads that Gloo starts run part of a step too (the callbacks of DDP comm hooks: PowerSGD's matrix
-    # products); with OMP_NUM_THREADS set before the ranks start they take as many threads as a rank's
-    # main thread, so a result does not depend on which thread ran it (as under torchrun, which sets it).
-    omp_before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
     try:
-        results = elastic_launch(config, entrypoint)(*args)
+        with rank_threads(nproc):
+            results = elastic_launch(config, entrypoint)(*args)
     except ChildFailedError as e:
         if stopped:  # a rank that did not stop cleanly after the signal
             raise LauncherSignalled(stopped[0]) from None
@@ -195,13 +191,26 @@ def launch_local(entrypoint, nproc: int, *args, max_restarts: int = 0):
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if omp_before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp_before
     if stopped:
         raise LauncherSignalled(stopped[0])
     return [results[rank] for rank in range(nproc)]
+
+
+@contextmanager
+def rank_threads(nproc: int) -> Iterator[None]:
+    """OMP_NUM_THREADS for the `nproc` ranks this process starts meanwhile. Threads that Gloo starts run part of
+    a step too (the callbacks of DDP comm hooks: PowerSGD's matrix products); with OMP_NUM_THREADS set before
+    the ranks start they take as many threads as a rank's main thread, so a result does not depend on which
+    thread ran it (as under torchrun, which sets it)."""
+    before = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
+        else:
+            os.environ["OMP_NUM_THREADS"] = before
 
 
 STOP_GRACE_S = 120  # how long the ranks get to checkpoint after the launcher is signalled

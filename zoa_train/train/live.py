@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from zoa_train.config import check_batch_layout
 from zoa_train.data.prefetch import DevicePrefetcher
-from zoa_train.distributed import STOP_SIGNALS, LauncherSignalled, RankFailed, threads_per_rank
+from zoa_train.distributed import STOP_SIGNALS, LauncherSignalled, RankFailed, rank_threads
 from zoa_train.tasks import build_task
 from zoa_train.train.metrics import MetricsLogger
 
@@ -313,8 +313,6 @@ def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0, nnodes: in
     under_way = store.check([f"{PREFIX}/current"])  # a machine that comes back: its ranks join
     context = multiprocessing.get_context("spawn")
     results = context.SimpleQueue()
-    omp_before = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(nproc))
 
     def start(member: int, again: bool):
         rank_args = (member, nnodes * nproc, nproc, host, store.port, again, results, entrypoint, args)
@@ -330,7 +328,8 @@ def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0, nnodes: in
             with contextlib.suppress(ProcessLookupError):
                 os.kill(process.pid, signum)
 
-    running = {member: start(member, under_way) for member in range(node_rank * nproc, (node_rank + 1) * nproc)}
+    with rank_threads(nproc):  # read by the ranks as they start
+        running = {member: start(member, under_way) for member in range(node_rank * nproc, (node_rank + 1) * nproc)}
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {sig: signal.signal(sig, pass_on) for sig in STOP_SIGNALS} if in_main_thread else {}
     collected: dict[int, object] = {}
@@ -350,7 +349,8 @@ def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0, nnodes: in
                 store.set(f"{PREFIX}/dead/{member}", "1")  # the others need not wait for its heartbeat to age
                 if finished_at is None and not stopped and restarts < max_restarts:
                     restarts += 1
-                    running[member] = start(member, True)  # it clears its mark once admitted
+                    with rank_threads(nproc):
+                        running[member] = start(member, True)  # it clears its mark once admitted
                 elif failure is None and finished_at is None:
                     failure = f"rank {member} exited with code {process.exitcode}"
             time.sleep(0.1)
@@ -362,10 +362,6 @@ def launch_live(entrypoint, nproc: int, *args, max_restarts: int = 0, nnodes: in
             signal.signal(sig, handler)
         for process in running.values():
             process.kill()
-        if omp_before is None:
-            os.environ.pop("OMP_NUM_THREADS", None)
-        else:
-            os.environ["OMP_NUM_THREADS"] = omp_before
     if stopped:
         raise LauncherSignalled(stopped[0])
     ordered = sorted(collected.values(), key=lambda r: not (isinstance(r, dict) and "run_dir" in r))
