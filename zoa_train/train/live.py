@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 PREFIX = "zoa_live"
 STORE_WAIT_S = 300  # how long a launcher waits for machine 0's store
 BEAT_S = 0.5  # how often a rank writes its heartbeat
+CHECK_S = 0.05  # how often a rank waiting for a call's decision looks for members that are gone
 STALE_S = 5.0  # a member whose heartbeat is older is gone (hung, or its host lost)
 MEMBER_ENV, JOIN_ENV = "ZOA_LIVE_MEMBER", "ZOA_LIVE_JOIN"
 
@@ -161,12 +162,14 @@ class LiveMembership:
         decision = self._key(f"call/{call}")
         if self.store.add(decision + "/count", 1) == len(self.members):
             self.store.compare_set(decision, "", "done")
-        while True:
-            with contextlib.suppress(dist.DistStoreError):
-                self.store.wait([decision], timedelta(seconds=BEAT_S))
-                return self.store.get(decision) == b"done"
-            if self._gone_members():  # one died after its collective, before adding itself
-                return self.fail(call)
+        looked = time.monotonic()
+        while not self.store.check([decision]):  # polled: the others finish the collective within moments
+            if time.monotonic() - looked > CHECK_S:
+                if self._gone_members():  # one died after its collective, before adding itself
+                    return self.fail(call)
+                looked = time.monotonic()
+            time.sleep(0.001)
+        return self.store.get(decision) == b"done"
 
     def fail(self, call: int) -> bool:
         """This rank's collective of `call` failed: decide "failed" unless it was decided already, and tell every
