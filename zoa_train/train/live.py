@@ -523,8 +523,8 @@ class LiveTraining:
             self.live.joining = False
 
     def _settle_save(self) -> None:
-        """A checkpoint still being written over the old group: finished or abandoned (its error logged), not a
-        reason to stop (a lost rank breaks it); the next checkpoint makes its group anew."""
+        """A checkpoint still being written: finished or abandoned (its error logged), not a reason to stop (a lost
+        rank breaks it)."""
         stop = self.stop_requested
         self.run_dir.settle_save()
         self.stop_requested = stop
@@ -544,6 +544,9 @@ class LiveTraining:
         self.batches.load_state_dict(position)
         self.sync.forget_process_groups()
         self.opt.regroup(broadcast)
+        # The checkpoint writer's group now, while every member is there: a save that made it later would wait in
+        # its rendezvous for a rank lost meanwhile until train.timeout_s (a store wait no closed connection ends).
+        self.run_dir.make_group(self.recipe.train.timeout_s)
         self.monitor = self._monitor()
         if self.is_main and not was_main:
             self.run_dir.lock()

@@ -303,8 +303,7 @@ class RunDirectory:
                 self._lock = None
 
     def settle_save(self) -> None:
-        """Wait for a checkpoint still being written (published, or its error said in the log, not raised), and
-        let the next one make its process group anew (the ranks may have formed another world since)."""
+        """Wait for a checkpoint still being written (published, or its error said in the log, not raised)."""
         writing, self._writing = self._writing, None
         if writing is not None:
             writing.settle()
@@ -314,7 +313,6 @@ class RunDirectory:
                     writing.name,
                     str(writing.error).strip().splitlines()[0] if str(writing.error).strip() else type(writing.error).__name__,
                 )
-        self._group = None
 
     def __del__(self):
         try:
@@ -543,8 +541,8 @@ class RunDirectory:
         collectives never meet the training's; `timeout_s`, its timeout), while the caller goes on.
         `on_failure()` is called on that thread when the write failed; wait_for_save() raises its error."""
         self.wait_for_save()
-        if self._group is None and dist.is_initialized() and dist.get_world_size() > 1:
-            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if timeout_s else None)
+        if self._group is None:
+            self.make_group(timeout_s)
         storages: dict = {}  # one copy of a storage several tensors share
         rank_state, shared_files, sharded = (host_copy(part, storages) for part in (rank_state, shared_files, sharded or {}))
 
@@ -552,6 +550,13 @@ class RunDirectory:
             return self.save(step, rank, world_size, rank_state, shared_files, keep, synced, sharded, self._group)
 
         self._writing = BackgroundWrite(checkpoint_name(step), write, on_failure)
+
+    def make_group(self, timeout_s: float | None) -> None:
+        """The background writes' own Gloo group (a collective of every rank), made by the first save, or
+        beforehand by a run whose ranks change (train.elastic live makes it with each new group of ranks,
+        so that no save waits in a rendezvous for a rank that is gone)."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s) if timeout_s else None)
 
     def wait_for_save(self) -> Path | None:
         """Wait for the checkpoint being written in the background: the published checkpoint (None when

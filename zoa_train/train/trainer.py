@@ -221,6 +221,8 @@ class Trainer(LiveTraining):
         self.stop_requested = False
         try:
             self._build(recipe, resume if not joining else None, checkpoint)
+            if self.live is not None:
+                self.run_dir.make_group(t.timeout_s)  # now, with every member there (zoa_train/train/live.py)
             if joining:
                 self.exchange_state()
         except BaseException:
