@@ -128,7 +128,7 @@ STEPS = 60
 
 def sets(cache_dir: Path, *extra: str) -> list[str]:
     """0/1 Adam with local-step periods of 3 steps after its variance freezes at step 12; global batches of 24 in
-    micro-batches of 4 (2 a step on each of 3 ranks, 3 on each of 2, 6 on 1); a collective waits 15 s for a hung rank."""
+    micro-batches of 4 (2 a step on each of 3 ranks, 3 on each of 2, 6 on 1)."""
     return [a for s in sets_of(cache_dir, *extra) for a in ("--set", s)]
 
 
@@ -142,7 +142,7 @@ def sets_of(cache_dir: Path, *extra: str) -> list[str]:
         "train.global_batch_size=24",
         "train.micro_batch_size=4",
         "train.elastic=live",
-        "train.timeout_s=15",
+        "train.timeout_s=60",  # above a start-up's spread on a loaded 2-core machine (a rank building the data cache)
         "optimizer.var_freeze_step=12",
         "optimizer.lr=0.001",
         "optimizer.local_steps=fixed",
@@ -197,8 +197,8 @@ def test_a_killed_and_a_hung_rank_are_dropped_while_the_others_go_on_and_each_jo
     hung = wait_for(run, run_dir, "left_members", 2)
     os.kill(first[1], signal.SIGCONT)
     assert hung["left_members"] == [1] and hung["world_size"] == 2
-    # seen when its heartbeat aged past STALE_S (the others waiting for its commit) or its collective timed out
-    assert STALE_S <= hung["seconds_down"] < 15 + 2 * STALE_S
+    # seen when its heartbeat aged past STALE_S (its neighbour's heartbeat thread watches it), not train.timeout_s later
+    assert STALE_S <= hung["seconds_down"] < 3 * STALE_S
     _, err = run.communicate(timeout=300)
     assert run.returncode == 0, err[-3000:]
     assert "member 1 arrived after the others had formed generation" in err
