@@ -244,6 +244,7 @@ def _train(counts: Counts, optimizer: dict, comm: dict, steps: int, accum: int, 
             _skip=skip,
             params=[p for p in model.parameters() if p.requires_grad],
             scheduler=SimpleNamespace(step=lambda: None),
+            _survive=lambda fn, undo=False: fn(),  # the trainer's collectives, without train.elastic live
         )
         marks.clear()
         started.clear()
