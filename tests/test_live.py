@@ -12,6 +12,7 @@ at the next collective and the survivors go on without restarting; a rank starte
 import functools
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -165,7 +166,7 @@ def wait_for(run, run_dir: Path, key: str, count: int) -> dict:
         found = [r for r in records(run_dir) if key in r] if (run_dir / "metrics.jsonl").is_file() else []
         if len(found) >= count:
             return found[count - 1]
-        assert run.poll() is None and time.monotonic() < deadline, run.communicate()[1][-3000:]
+        assert run.poll() is None and time.monotonic() < deadline, (run.communicate()[1] or "the run ended: see its log")[-3000:]
         time.sleep(0.1)
 
 
@@ -260,6 +261,43 @@ def test_a_machine_lost_and_started_again_leaves_and_joins_while_the_other_machi
     done = records(run_dir)
     assert [r["step"] for r in done if "loss" in r] == list(range(1, STEPS + 1))
     assert read_marker(run_dir / "checkpoints" / f"step_{STEPS:08d}")["world_size"] == 3
+
+
+def _own_hostnames_allowed() -> bool:
+    """Whether this process may start commands in a UTS namespace of their own (root, util-linux's unshare)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        return False
+    probe = subprocess.run(["unshare", "--uts", "--", "sh", "-c", "hostname zoa-probe"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow  # two machines of two ranks, one rank lost and started again
+@pytest.mark.skipif(not _own_hostnames_allowed(), reason="needs root and unshare --uts: each machine's hostname of its own")
+def test_node_aware_sync_falls_back_to_flat_while_a_machine_is_short_of_a_rank_and_comes_back_when_it_rejoins(tmp_path, cache_dir):
+    # Two launchers, each in a UTS namespace with a hostname of its own: the ranks find two nodes of two ranks by
+    # their hostnames, as on two machines, and comm.topology auto makes the 1-bit sync node-aware.
+    store, run_dir = f"127.0.0.1:{free_port()}", tmp_path / "run"
+    machines = []
+    for rank in range(2):
+        command = [sys.executable, "-m", "zoa_train.cli", "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--nproc", "2", "--max-restarts", "1"]
+        command += ["--nnodes", "2", "--node-rank", str(rank), "--store", store, *sets(cache_dir, "train.micro_batch_size=2")]
+        own_host = ["unshare", "--uts", "--", "sh", "-c", f'hostname zoa-machine{rank} && exec "$@"', "sh"]
+        with open(tmp_path / f"machine{rank}.log", "w") as log:
+            machines.append(subprocess.Popen([*own_host, *command], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True))
+    wait_for_step(machines[0], run_dir / "metrics.jsonl", 14)
+    os.kill(rank_pids(machines[1].pid)[-1], signal.SIGKILL)  # member 3, the second rank of the second machine
+    left = wait_for(machines[0], run_dir, "left_members", 1)
+    assert left["left_members"] == [3] and left["world_size"] == 3 and left["node_aware"] == 0, left  # nodes of 2 and 1: flat
+    assert left["seconds_down"] < 5  # a rank waiting in a node group with the lost one is freed as in the world group
+    joined = wait_for(machines[0], run_dir, "joined_members", 1)
+    assert joined["joined_members"] == [3] and joined["world_size"] == 4 and joined["node_aware"] == 1, joined
+    for m in machines:
+        assert m.wait(timeout=300) == 0, (tmp_path / "machine0.log").read_text()[-3000:]
+    log = (tmp_path / "machine0.log").read_text()
+    assert "hierarchical 1-bit sync, 2 nodes x 2 ranks" in log and "3 ranks: flat 1-bit sync, 2 nodes x 1/2 ranks" in log
+    done = records(run_dir)
+    assert [r["step"] for r in done if "loss" in r] == list(range(1, STEPS + 1))
+    assert read_marker(run_dir / "checkpoints" / f"step_{STEPS:08d}")["synced"]
 
 
 def test_machines_of_a_live_run_need_train_elastic_live_and_a_store(tmp_path, capsys):

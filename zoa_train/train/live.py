@@ -123,6 +123,16 @@ class LiveMembership:
             self._connections = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}  # Gloo's, made by the init
         self.store.set(f"{PREFIX}/current", json.dumps(self.members))  # what a rank waiting to join looks at (the same on every member)
 
+    @contextlib.contextmanager
+    def making_groups(self):
+        """Process groups made inside (a node-aware sync's node groups, the checkpoint writer's) belong to the
+        generation: their connections are shut down with the world group's. A rank waiting on another inside one
+        of them (a node-aware round) is freed as one waiting in the world group is."""
+        before = _sockets()
+        yield
+        with self._lock:
+            self._connections |= {fd: link for fd, link in _sockets().items() if before.get(fd) != link}
+
     def _nobody_to_admit(self) -> bool:
         """Whether every member of the newest generation is gone (a rank waiting to join then gives up)."""
         return all(self._gone(m) for m in json.loads(self.store.get(f"{PREFIX}/current")))
@@ -139,7 +149,10 @@ class LiveMembership:
         for fd, link in _sockets().items():
             if connections.get(fd) != link:
                 continue
-            connection = socket.socket(fileno=fd)
+            try:
+                connection = socket.socket(fileno=fd)
+            except OSError:
+                continue  # closed by Gloo since it was listed
             try:
                 if not connection.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
                     connection.shutdown(socket.SHUT_RDWR)
@@ -416,6 +429,10 @@ class LiveTraining:
                 self._restore(saved)
             self._regroup_after_loss(began, error, self.step + 1 if undo else self.step)
 
+    def _making_groups(self):
+        """Where the trainer makes process groups of its own: under train.elastic live they belong to the generation."""
+        return self.live.making_groups() if self.live is not None else contextlib.nullcontext()
+
     def _snapshot(self) -> tuple:
         state = copy.deepcopy(self.opt.optimizer.state_dict())
         model = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
@@ -458,15 +475,7 @@ class LiveTraining:
             return
         dropped = max(0, step - self._synced_at)  # the lost ranks' steps since the last sync, which no survivor holds
         per_rank = self.recipe.train.global_batch_size // before
-        record = {
-            "step": self.step,
-            "world_size": self.world,
-            "world_size_before": before,
-            "left_members": left,
-            "seconds_down": round(time.monotonic() - began, 3),
-            "steps_dropped": dropped,
-            "samples_dropped": dropped * per_rank * len(left),
-        }
+        record = self._membership_record(before, began, left_members=left, steps_dropped=dropped, samples_dropped=dropped * per_rank * len(left))
         if self.is_main:
             log.warning(
                 "member(s) %s left at step %d: %d ranks go on (%.2f s); their last %d step(s) since the last sync are dropped",
@@ -499,15 +508,19 @@ class LiveTraining:
         self._synced_at = self.step
         if self.is_main:
             log.warning("member(s) %s joined at step %d: %d ranks go on", ", ".join(map(str, joined)), self.step, self.world)
-            self.metrics.log(
-                {
-                    "step": self.step,
-                    "world_size": self.world,
-                    "world_size_before": before,
-                    "joined_members": joined,
-                    "seconds_down": round(time.monotonic() - began, 3),
-                }
-            )
+            self.metrics.log(self._membership_record(before, began, joined_members=joined))
+
+    def _membership_record(self, before: int, began: float, **change) -> dict:
+        """The metrics record of a membership change: the world sizes, the seconds it took, and whether the 1-bit sync
+        is node-aware now (comm.topology auto re-chooses at each change: flat while the nodes are uneven)."""
+        return {
+            "step": self.step,
+            "world_size": self.world,
+            "world_size_before": before,
+            **change,
+            "seconds_down": round(time.monotonic() - began, 3),
+            "node_aware": int(self.sync.spec.node_aware),
+        }
 
     def exchange_state(self) -> None:
         """Every rank takes rank 0's state, which a synchronised rank already holds and a rank that joins does
@@ -543,11 +556,14 @@ class LiveTraining:
         self.batches = DevicePrefetcher(self.task.loader, self.task.to_device, self.device)
         self.batches.load_state_dict(position)
         self.sync.forget_process_groups()
-        self.opt.regroup(broadcast)
-        # The checkpoint writer's group now, while every member is there: a save that made it later would wait in
-        # its rendezvous for a rank lost meanwhile until train.timeout_s (a store wait no closed connection ends).
-        self.run_dir.make_group(self.recipe.train.timeout_s)
+        with self._making_groups():
+            self.opt.regroup(broadcast)
+            # The checkpoint writer's group now, while every member is there: a save that made it later would wait in
+            # its rendezvous for a rank lost meanwhile until train.timeout_s (a store wait no closed connection ends).
+            self.run_dir.make_group(self.recipe.train.timeout_s)
         self.monitor = self._monitor()
+        if self.is_main:
+            log.warning("%d ranks: %s", self.world, self.sync.chosen)
         if self.is_main and not was_main:
             self.run_dir.lock()
             self.metrics = MetricsLogger(self.run_dir.path, self.recipe, self.recipe.train.steps, self.step, True)

@@ -222,7 +222,8 @@ class Trainer(LiveTraining):
         try:
             self._build(recipe, resume if not joining else None, checkpoint)
             if self.live is not None:
-                self.run_dir.make_group(t.timeout_s)  # now, with every member there (zoa_train/train/live.py)
+                with self._making_groups():  # now, with every member there (zoa_train/train/live.py)
+                    self.run_dir.make_group(t.timeout_s)
             if joining:
                 self.exchange_state()
         except BaseException:
@@ -260,7 +261,8 @@ class Trainer(LiveTraining):
             order = listing_order(self.model, groups)
             sync = ClusterCollective(c.topology, c.ranks_per_node, intra_dtype, c.kernels, c.bucket_cap_mb, c.overlap, order)
         self.sync = sync
-        self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync, sharding=self.sharding)
+        with self._making_groups():  # a node-aware sync's node groups
+            self.opt = registry.create(recipe.optimizer, self.model, self.device, self.world, collective=sync, sharding=self.sharding)
         self.params = [p for p in self.model.parameters() if p.requires_grad]  # this rank's shards when sharded
         self.clip_rule = clip_rule(recipe)
         if self.clip_rule == "bucket":
