@@ -113,12 +113,20 @@ def test_regroup_carries_each_ranks_state_tensor_by_tensor_into_the_new_layout_a
 # ---- refusals ------------------------------------------------------------------------------------
 
 
-def test_live_under_torchrun_is_refused_in_one_sentence(tmp_path, capsys, monkeypatch):
+def test_live_under_torchrun_or_several_srun_tasks_a_node_is_refused_in_one_sentence(tmp_path, capsys, monkeypatch):
     for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(key, value)
     run_dir = tmp_path / "run"
     done = zoa_here(capsys, "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--set", "train.elastic=live")
     refused(done, "train.elastic live runs on the ranks zoa-train run starts itself (--nproc)")
+    assert not run_dir.exists()
+    # under srun each node's task is its launcher: two tasks on one node would start its ranks twice
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key)
+    for key, value in {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0", "SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1"}.items():
+        monkeypatch.setenv(key, value)
+    done = zoa_here(capsys, "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--set", "train.elastic=live")
+    refused(done, "train.elastic live under srun needs one task per node, whose zoa-train run starts the node's ranks (--nproc), and this step has 2 tasks")
     assert not run_dir.exists()
 
 

@@ -108,13 +108,25 @@ def test_script_for_the_srun_launcher_on_cpus(tmp_path):
     assert f"srun --ntasks-per-node=2 --kill-on-bad-exit=1 \\\n    {sys.executable} -m zoa_train.cli run" in script
 
 
+def test_script_for_the_live_launcher(tmp_path):
+    script = dry_run(tmp_path / "run", "--nodes", "3", "--nproc-per-node", "2", "--launcher", "live", "--set", "train.elastic=live", "--set", "train.micro_batch_size=4", "--set", "train.global_batch_size=48")
+    for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=2", "#SBATCH --no-kill"):
+        assert line in script.splitlines(), line
+    assert "srun --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0 \\\n" in script
+    assert f"--out {tmp_path / 'run'} --resume auto --nproc 2 --max-restarts 3 &" in script
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [
         (["--nodes", "1"], "--gpus-per-node G for a GPU job, or --nproc-per-node K"),
         (["--nodes", "0", "--gpus-per-node", "8"], "--nodes must be at least 1"),
         (["--gpus-per-node", "4", "--nproc-per-node", "8"], "more ranks than the 4 GPUs per node"),
-        (["--nproc-per-node", "2", "--launcher", "mpirun"], "--launcher must be torchrun or srun"),
+        (["--nproc-per-node", "2", "--launcher", "mpirun"], "--launcher must be torchrun, srun or live"),
+        (["--nproc-per-node", "2", "--launcher", "live"], "--launcher live starts a train.elastic live run and"),
+        (["--nproc-per-node", "2", "--set", "train.elastic=live"], "sets train.elastic live, whose ranks each node's zoa-train run starts itself"),
+        (["--gpus-per-node", "8", "--launcher", "live", "--set", "train.elastic=live"], "--launcher live runs CPU ranks over Gloo for now"),
+        (["--nproc-per-node", "2", "--max-restarts", "2"], "--max-restarts starts a failed rank again while the others go on"),
         (["--nproc-per-node", "2", "--time", "ten hours"], "is not a Slurm time limit"),
         (["--nproc-per-node", "2", "--signal", "USR2"], "is not SIGNAL@SECONDS"),
         (["--nproc-per-node", "2", "--env", "NCCL_SOCKET_IFNAME"], "is not KEY=VALUE"),
@@ -251,3 +263,40 @@ def test_a_job_sbatch_refuses_is_one_sentence_with_its_message(cluster, tmp_path
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "sbatch refused the job:" in done.stderr and "invalid partition" in done.stderr.lower()
     assert not (tmp_path / "run").exists()  # no trace: the same command can be run again
+
+
+@pytest.mark.slow
+def test_a_live_job_goes_on_without_a_lost_rank_and_its_node_starts_it_again(cluster, cache_dir, tmp_path):
+    # --launcher live: srun's one task per node is its launcher, which keeps the store (node 0) and starts the ranks
+    run_dir, steps = tmp_path / "run", 60
+    live = ["train.elastic=live", "train.log_every=1", "optimizer.var_freeze_step=12", "optimizer.local_steps=fixed", "optimizer.local_step_interval=3"]
+    job_id = submit(
+        cluster,
+        run_dir,
+        "--nproc-per-node",
+        "2",
+        "--launcher",
+        "live",
+        "--max-restarts",
+        "1",
+        *short(steps, cache_dir, 8),
+        *(a for s in live for a in ("--set", s)),
+    )
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 180
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 14):
+        assert time.monotonic() < deadline, cluster.job(job_id)
+        time.sleep(0.2)
+    launcher = subprocess.run(["pgrep", "-f", f"^{sys.executable} -m zoa_train.cli run .* --out {run_dir}"], capture_output=True, text=True).stdout.split()
+    assert len(launcher) == 1, launcher  # one task on the one node (srun's own processes start with srun)
+    ranks = sorted(int(p) for p in subprocess.run(["pgrep", "-P", launcher[0], "-f", "spawn_main"], capture_output=True, text=True).stdout.split())
+    assert len(ranks) == 2
+    os.kill(ranks[1], 9)
+    info = cluster.wait(job_id, timeout=300)
+    log = (run_dir / "slurm" / f"job-{job_id}.out").read_text()
+    assert info["JobState"] == "COMPLETED", log[-3000:] + cluster.logs()
+    done = [json.loads(line) for line in metrics.read_text().splitlines()]
+    changes = [r for r in done if "world_size" in r]
+    assert [r.get("left_members", r.get("joined_members")) for r in changes] == [[1], [1]], changes
+    assert changes[0]["world_size"] == 1 and changes[1]["world_size"] == 2 and ranks[0] != ranks[1]
+    assert [r["step"] for r in done if "loss" in r] == list(range(1, steps + 1)), "every step logged once"
+    assert (run_dir / "checkpoints" / f"step_{steps:08d}" / "COMPLETE").is_file() and f"done: {steps} steps in " in log

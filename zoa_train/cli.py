@@ -109,9 +109,14 @@ def slurm_command(
     job_name: Annotated[str, typer.Option(help="Job name. [default: zoa-<run directory name>]", show_default=False)] = "",
     out: Annotated[Path | None, typer.Option(help="Run directory. [default: runs/<recipe name>]", show_default=False)] = None,
     env: Annotated[list[str], typer.Option("--env", help="KEY=VALUE exported in the job, e.g. NCCL_SOCKET_IFNAME=eth0 (repeatable).")] = [],
-    launcher: Annotated[str, typer.Option(help="torchrun (one task per node) or srun (one task per rank).")] = "torchrun",
+    launcher: Annotated[
+        str, typer.Option(help="torchrun (one task per node), srun (one task per rank) or live (train.elastic live: one task per node).")
+    ] = "torchrun",
     signal_spec: Annotated[str, typer.Option("--signal", help="Warning signal and its lead time before the time limit.")] = "USR2@120",
     max_requeues: Annotated[int, typer.Option(help="Times the job requeues itself after a warning signal.")] = 3,
+    max_restarts: Annotated[
+        int | None, typer.Option(help="--launcher live: times each node starts a failed rank again, to join the others. [default: 3]", show_default=False)
+    ] = None,
     master_port: Annotated[int, typer.Option(help="Rendezvous port. [default: 20000 + job id % 20000]", show_default=False)] = 0,
     sbatch_option: Annotated[list[str], typer.Option("--sbatch-option", help="Any other sbatch option, e.g. --mem=200G (repeatable).")] = [],
     resume: Annotated[str, typer.Option(help="auto: continue the run directory's latest checkpoint.")] = "",
@@ -137,6 +142,7 @@ def slurm_command(
         launcher=launcher,
         signal=signal_spec,
         max_requeues=max_requeues,
+        max_restarts=max_restarts,
         master_port=master_port,
         sbatch_options=sbatch_option,
     )

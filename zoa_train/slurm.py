@@ -10,6 +10,10 @@ Launchers:
                       rendezvous on the allocation's first node, rendezvous id = the job id.
   srun                one Slurm task per rank; each `zoa-train run` reads its rank from SLURM_PROCID,
                       SLURM_NTASKS and SLURM_LOCALID (zoa_train.distributed), the master from the node list.
+  live                train.elastic live: one Slurm task per node runs `zoa-train run`, which starts the
+                      node's ranks and restarts a failed one (--max-restarts); machine = SLURM_NODEID, the
+                      store on the allocation's first node. The job and its step survive a lost node
+                      (--no-kill, --kill-on-bad-exit=0): the other nodes go on (docs/faults.md, "Live").
 
 Time limits and preemption: the script asks Slurm for a warning signal to the batch shell before the
 time limit (`--signal=B:USR2@120` by default; USR2 because NCCL and torchrun leave it alone). The shell
@@ -37,6 +41,7 @@ from zoa_train.errors import UserError
 from zoa_train.files import make_directory
 
 SCRIPT = "job.sbatch"
+LAUNCHERS = ("torchrun", "srun", "live")
 RECIPE = "recipe.yaml"
 HISTORY = "jobs.jsonl"
 # The signals torchrun forwards to its ranks: its defaults plus the warning signal.
@@ -63,14 +68,15 @@ class SlurmJob:
     launcher: str = "torchrun"
     signal: str = "USR2@120"
     max_requeues: int = 3
+    max_restarts: int | None = None  # launcher live: how often each node's launcher starts a failed rank again [default: 3]
     master_port: int = 0  # 0: derived from the job id inside the job
     sbatch_options: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.nodes < 1:
             raise UserError(f"--nodes must be at least 1, not {self.nodes}.")
-        if self.launcher not in ("torchrun", "srun"):
-            raise UserError(f"--launcher must be torchrun or srun, not {self.launcher!r}.")
+        if self.launcher not in LAUNCHERS:
+            raise UserError(f"--launcher must be torchrun, srun or live, not {self.launcher!r}.")
         if self.gpus_per_node is None and self.nproc_per_node is None:
             raise UserError("say how many ranks each node runs: --gpus-per-node G for a GPU job, or --nproc-per-node K for a CPU job.")
         if self.gpus_per_node is not None and self.gpus_per_node < 0:
@@ -87,11 +93,21 @@ class SlurmJob:
             raise UserError(f"--signal {self.signal!r} is not SIGNAL@SECONDS, e.g. USR2@120.")
         if self.max_requeues < 0:
             raise UserError(f"--max-requeues must be 0 or more, not {self.max_requeues}.")
+        if self.max_restarts is not None and self.launcher != "live":
+            raise UserError("--max-restarts starts a failed rank again while the others go on, which --launcher live does; the others requeue the whole job.")
+        if self.max_restarts is not None and self.max_restarts < 0:
+            raise UserError(f"--max-restarts must be 0 or more, not {self.max_restarts}.")
+        if self.launcher == "live" and self.gpus:
+            raise UserError("--launcher live runs CPU ranks over Gloo for now; pass --gpus-per-node 0 with --nproc-per-node.")
         if not 0 <= self.master_port < 65536:
             raise UserError(f"--master-port must be a TCP port (1-65535), not {self.master_port}.")
         for key in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise UserError(f"--env {key}=...: {key!r} is not an environment variable name.")
+
+    @property
+    def restarts(self) -> int:
+        return 3 if self.max_restarts is None else self.max_restarts
 
     @property
     def gpus(self) -> int:
@@ -129,14 +145,17 @@ def render_script(job: SlurmJob, run_dir: Path, workdir: Path, python: str = sys
     signal_name, lead = job.warning
     q = shlex.quote
     name = job.job_name or f"zoa-{run_dir.name}"
-    cpus = job.cpus_per_task or (job.ranks_per_node if job.launcher == "torchrun" else None)
-    tasks = 1 if job.launcher == "torchrun" else job.ranks_per_node
+    per_node = job.launcher != "srun"  # torchrun and live: one task per node starts the node's ranks
+    cpus = job.cpus_per_task or (job.ranks_per_node if per_node else None)
+    tasks = 1 if per_node else job.ranks_per_node
     sb = [
         f"#SBATCH --job-name={name}",
         f"#SBATCH --nodes={job.nodes}",
-        "# torchrun: one task per node starts the node's ranks" if tasks == 1 else "# srun: one task per rank",
+        f"# {job.launcher}: one task per node starts the node's ranks" if per_node else "# srun: one task per rank",
         f"#SBATCH --ntasks-per-node={tasks}",
     ]
+    if job.launcher == "live":
+        sb += ["# A lost node does not end the job: the ranks of the others go on (train.elastic live).", "#SBATCH --no-kill"]
     if job.gpus:
         sb.append(f"#SBATCH --gpus-per-node={job.gpus}")
     if cpus:
@@ -165,6 +184,12 @@ def render_script(job: SlurmJob, run_dir: Path, workdir: Path, python: str = sys
             '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\',
             f"    --signals-to-handle={handled} --shutdown-timeout={lead} \\",
             "    " + " ".join(train[1:]) + " &",
+        ]
+    elif job.launcher == "live":
+        # each node's zoa-train run takes its machine (SLURM_NODEID) and the store (MASTER_ADDR:MASTER_PORT) from Slurm
+        launch = [
+            "srun --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0 \\",
+            "    " + " ".join(train) + f" --nproc {job.ranks_per_node} --max-restarts {job.restarts} &",
         ]
     else:
         launch = [f"srun --ntasks-per-node={job.ranks_per_node} --kill-on-bad-exit=1 \\", "    " + " ".join(train) + " &"]
@@ -297,6 +322,10 @@ def submit_recipe(job: SlurmJob, recipe: Path, overrides: list[str], run_dir: Pa
     from zoa_train.train.rundir import RunDirectory
 
     config = load_recipe(recipe, overrides)
+    if job.launcher == "live" and config.train.elastic != "live":
+        raise UserError(f"--launcher live starts a train.elastic live run and {recipe} sets train.elastic {config.train.elastic}; set train.elastic=live.")
+    if job.launcher != "live" and config.train.elastic == "live":
+        raise UserError(f"{recipe} sets train.elastic live, whose ranks each node's zoa-train run starts itself; submit it with --launcher live.")
     if not job.gpus:
         if config.train.backend == "nccl":
             raise UserError(f"{recipe} sets train.backend nccl and this is a CPU job; give it GPUs with --gpus-per-node or set train.backend=gloo.")

@@ -11,7 +11,7 @@ import torch
 
 from zoa_train import console
 from zoa_train.config import check_batch_layout, load_recipe
-from zoa_train.distributed import STOP_SIGNALS, LauncherSignalled, RankFailed, cluster_environment, launch_local, shares_agent_store
+from zoa_train.distributed import STOP_SIGNALS, LauncherSignalled, RankFailed, cluster_environment, first_slurm_node, launch_local, shares_agent_store
 from zoa_train.errors import UserError
 from zoa_train.files import check_directory, dumps_json
 from zoa_train.train.live import launch_live
@@ -59,6 +59,23 @@ class LiveMachines:
             raise UserError(f"--store must be HOST:PORT, where machine 0 keeps the run's store, not {self.store!r}.")
 
 
+def machines_from_slurm(given: LiveMachines) -> LiveMachines:
+    """A train.elastic live run under srun: each task is its node's launcher (`zoa-train slurm --launcher live`), its
+    machine SLURM_NODEID of the step's nodes, the store on the allocation's first node (MASTER_ADDR and MASTER_PORT
+    where the job exports them). A UserError for more than one task per node."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", os.environ["SLURM_NTASKS"]))
+    nodes = int(os.environ.get("SLURM_STEP_NUM_NODES", os.environ.get("SLURM_NNODES", "1")))
+    if tasks != nodes:
+        raise UserError(
+            f"train.elastic live under srun needs one task per node, whose zoa-train run starts the node's ranks (--nproc), "
+            f"and this step has {tasks} tasks on {nodes} node(s); submit it with zoa-train slurm --launcher live."
+        )
+    if given != LiveMachines():
+        return given
+    host = os.environ.get("MASTER_ADDR") or first_slurm_node(os.environ.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+    return LiveMachines(nodes, int(os.environ.get("SLURM_NODEID", "0")), f"{host}:{os.environ.get('MASTER_PORT', '29500')}")
+
+
 def train_recipe(
     recipe: Path,
     overrides: list[str],
@@ -75,25 +92,28 @@ def train_recipe(
     128 + signal) stopped on a signal."""
     config = load_recipe(recipe, overrides)
     machines.check(config.train.elastic)
+    if config.train.elastic == "live" and cluster_environment() == "slurm":
+        machines = machines_from_slurm(machines)  # this task is its node's launcher
+    launches = cluster_environment() is None or config.train.elastic == "live"  # the ranks are this process's to start
     if reshard and not resume:
         raise UserError("--reshard continues a checkpoint at another number of ranks; pass --resume auto or --resume CHECKPOINT with it.")
     if max_restarts < 0:
         raise UserError(f"--max-restarts must be 0 or more, not {max_restarts}.")
-    if max_restarts and cluster_environment() is not None:
+    if max_restarts and not launches:
         raise UserError(
             "--max-restarts restarts ranks that zoa-train run starts itself; under torchrun pass --max-restarts to torchrun (a restarted rank resumes by itself), under srun let Slurm requeue the job."
         )
-    if config.train.elastic == "live" and cluster_environment() is not None:
+    if config.train.elastic == "live" and cluster_environment() == "torchrun":
         raise UserError(
             "train.elastic live runs on the ranks zoa-train run starts itself (--nproc), which meet in a store it keeps; "
-            "under torchrun or srun use train.elastic reshard."
+            "under torchrun use train.elastic reshard, or start zoa-train run on each machine (--nnodes, --node-rank, --store)."
         )
     if config.train.elastic == "reshard" and "TORCHELASTIC_RUN_ID" in os.environ and cluster_environment() == "torchrun":
         check_elastic_launch(overwrite)
     reshard = reshard or config.train.elastic == "reshard"  # a resume at another world size is the recipe's to allow
     if nproc is not None and nproc < 1:
         raise UserError(f"--nproc must be at least 1, not {nproc}.")
-    if cluster_environment() is None:
+    if launches:
         local = nproc or config.train.nproc
         world = local * machines.nnodes
         check_batch_layout(config, world, str(recipe))
@@ -102,7 +122,7 @@ def train_recipe(
             RunDirectory(run_dir).check(resume, overwrite, world, reshard)  # before any rank starts; every rank checks again
         check_directory(Path(config.data.cache_dir).expanduser(), "data.cache_dir")
     try:
-        if cluster_environment() is None:
+        if launches:
             run_args = (config.to_dict(), str(run_dir), resume, overwrite, reshard)
             if config.train.elastic == "live":
                 m = machines
