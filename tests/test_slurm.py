@@ -109,7 +109,8 @@ def test_script_for_the_srun_launcher_on_cpus(tmp_path):
 
 
 def test_script_for_the_live_launcher(tmp_path):
-    script = dry_run(tmp_path / "run", "--nodes", "3", "--nproc-per-node", "2", "--launcher", "live", "--set", "train.elastic=live", "--set", "train.micro_batch_size=4", "--set", "train.global_batch_size=48")
+    live = ["train.elastic=live", "train.micro_batch_size=4", "train.global_batch_size=48"]
+    script = dry_run(tmp_path / "run", "--nodes", "3", "--nproc-per-node", "2", "--launcher", "live", *(a for s in live for a in ("--set", s)))
     for line in ("#SBATCH --nodes=3", "#SBATCH --ntasks-per-node=1", "#SBATCH --cpus-per-task=2", "#SBATCH --no-kill"):
         assert line in script.splitlines(), line
     assert "srun --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0 \\\n" in script
