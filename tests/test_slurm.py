@@ -117,6 +117,17 @@ def test_script_for_the_live_launcher(tmp_path):
     assert f"--out {tmp_path / 'run'} --resume auto --nproc 2 --max-restarts 3 &" in script
 
 
+def test_script_for_an_elastic_torchrun_job_that_goes_on_with_the_nodes_it_has(tmp_path):
+    script = dry_run(tmp_path / "run", "--nodes", "4", "--nproc-per-node", "1", "--set", "train.elastic=reshard", "--set", "train.global_batch_size=64")
+    assert "#SBATCH --no-kill" in script.splitlines() and "export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in script.splitlines()
+    assert f"srun --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0 {sys.executable} -m torch.distributed.run" in script
+    assert '--nnodes=1:"$SLURM_NNODES" --nproc-per-node=1 --max-restarts=3' in script
+    assert "--rdzv-conf=last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5" in script
+    # without train.elastic a lost node ends the job (it requeues from the latest checkpoint)
+    script = dry_run(tmp_path / "run", "--nodes", "4", "--nproc-per-node", "1", "--set", "train.global_batch_size=64")
+    assert "--no-kill" not in script and '--nnodes="$SLURM_NNODES" --nproc-per-node=1 \\\n' in script
+
+
 @pytest.mark.parametrize(
     "args, expected",
     [
@@ -127,7 +138,7 @@ def test_script_for_the_live_launcher(tmp_path):
         (["--nproc-per-node", "2", "--launcher", "live"], "--launcher live starts a train.elastic live run and"),
         (["--nproc-per-node", "2", "--set", "train.elastic=live"], "sets train.elastic live, whose ranks each node's zoa-train run starts itself"),
         (["--gpus-per-node", "8", "--launcher", "live", "--set", "train.elastic=live"], "--launcher live runs CPU ranks over Gloo for now"),
-        (["--nproc-per-node", "2", "--max-restarts", "2"], "--max-restarts starts a failed rank again while the others go on"),
+        (["--nproc-per-node", "2", "--launcher", "srun", "--max-restarts", "2"], "--max-restarts starts failed ranks again inside the job"),
         (["--nproc-per-node", "2", "--time", "ten hours"], "is not a Slurm time limit"),
         (["--nproc-per-node", "2", "--signal", "USR2"], "is not SIGNAL@SECONDS"),
         (["--nproc-per-node", "2", "--env", "NCCL_SOCKET_IFNAME"], "is not KEY=VALUE"),

@@ -115,7 +115,11 @@ def slurm_command(
     signal_spec: Annotated[str, typer.Option("--signal", help="Warning signal and its lead time before the time limit.")] = "USR2@120",
     max_requeues: Annotated[int, typer.Option(help="Times the job requeues itself after a warning signal.")] = 3,
     max_restarts: Annotated[
-        int | None, typer.Option(help="--launcher live: times each node starts a failed rank again, to join the others. [default: 3]", show_default=False)
+        int | None,
+        typer.Option(
+            help="torchrun: times the ranks start again after a failure; live: times each node starts a failed rank again. [default: 3 with train.elastic reshard or live, else 0]",
+            show_default=False,
+        ),
     ] = None,
     master_port: Annotated[int, typer.Option(help="Rendezvous port. [default: 20000 + job id % 20000]", show_default=False)] = 0,
     sbatch_option: Annotated[list[str], typer.Option("--sbatch-option", help="Any other sbatch option, e.g. --mem=200G (repeatable).")] = [],

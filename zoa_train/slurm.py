@@ -10,6 +10,8 @@ Launchers:
                       rendezvous on the allocation's first node, rendezvous id = the job id.
   srun                one Slurm task per rank; each `zoa-train run` reads its rank from SLURM_PROCID,
                       SLURM_NTASKS and SLURM_LOCALID (zoa_train.distributed), the master from the node list.
+  With train.elastic reshard the torchrun job goes on when a node is lost (--no-kill; torchrun's agents
+  with --nnodes 1:N restart the ranks at the new world size, which resume from the latest checkpoint).
   live                train.elastic live: one Slurm task per node runs `zoa-train run`, which starts the
                       node's ranks and restarts a failed one (--max-restarts); machine = SLURM_NODEID, the
                       store on the allocation's first node. The job and its step survive a lost node
@@ -31,7 +33,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 
@@ -68,7 +70,8 @@ class SlurmJob:
     launcher: str = "torchrun"
     signal: str = "USR2@120"
     max_requeues: int = 3
-    max_restarts: int | None = None  # launcher live: how often each node's launcher starts a failed rank again [default: 3]
+    max_restarts: int | None = None  # torchrun and live: how often a node's launcher starts failed ranks again [default: 3 if elastic, else 0]
+    elastic: str = "off"  # the recipe's train.elastic: reshard and live keep the job going when a node is lost
     master_port: int = 0  # 0: derived from the job id inside the job
     sbatch_options: list[str] = field(default_factory=list)
 
@@ -93,8 +96,10 @@ class SlurmJob:
             raise UserError(f"--signal {self.signal!r} is not SIGNAL@SECONDS, e.g. USR2@120.")
         if self.max_requeues < 0:
             raise UserError(f"--max-requeues must be 0 or more, not {self.max_requeues}.")
-        if self.max_restarts is not None and self.launcher != "live":
-            raise UserError("--max-restarts starts a failed rank again while the others go on, which --launcher live does; the others requeue the whole job.")
+        if self.max_restarts is not None and self.launcher == "srun":
+            raise UserError(
+                "--max-restarts starts failed ranks again inside the job, which torchrun and --launcher live do; srun starts each rank once, and the job requeues instead."
+            )
         if self.max_restarts is not None and self.max_restarts < 0:
             raise UserError(f"--max-restarts must be 0 or more, not {self.max_restarts}.")
         if self.launcher == "live" and self.gpus:
@@ -107,7 +112,14 @@ class SlurmJob:
 
     @property
     def restarts(self) -> int:
-        return 3 if self.max_restarts is None else self.max_restarts
+        if self.max_restarts is not None:
+            return self.max_restarts
+        return 3 if self.elastic != "off" else 0
+
+    @property
+    def keeps_going(self) -> bool:
+        """Whether the job goes on with the nodes it has when one is lost (train.elastic reshard or live)."""
+        return self.elastic != "off" and self.launcher != "srun"
 
     @property
     def gpus(self) -> int:
@@ -154,8 +166,8 @@ def render_script(job: SlurmJob, run_dir: Path, workdir: Path, python: str = sys
         f"# {job.launcher}: one task per node starts the node's ranks" if per_node else "# srun: one task per rank",
         f"#SBATCH --ntasks-per-node={tasks}",
     ]
-    if job.launcher == "live":
-        sb += ["# A lost node does not end the job: the ranks of the others go on (train.elastic live).", "#SBATCH --no-kill"]
+    if job.keeps_going:
+        sb += [f"# A lost node does not end the job: the other nodes go on (train.elastic {job.elastic}).", "#SBATCH --no-kill"]
     if job.gpus:
         sb.append(f"#SBATCH --gpus-per-node={job.gpus}")
     if cpus:
@@ -174,21 +186,28 @@ def render_script(job: SlurmJob, run_dir: Path, workdir: Path, python: str = sys
         *(f"#SBATCH {option}" for option in job.sbatch_options),
     ]
     env = [f"export {key}={q(value)}" for key, value in sorted(job.env.items())]
+    if job.keeps_going and job.launcher == "torchrun":  # each attempt's ranks meet in a store of their own (docs/faults.md)
+        env.append("export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     port = str(job.master_port) if job.master_port else "$((20000 + SLURM_JOB_ID % 20000))"
     train = [q(python), "-m", "zoa_train.cli", "run", q(str(slurm_dir / RECIPE)), "--out", q(str(run_dir)), "--resume", "auto"]
+    kill = "--no-kill --kill-on-bad-exit=0" if job.keeps_going else "--kill-on-bad-exit=1"
     if job.launcher == "torchrun":
         handled = ",".join(dict.fromkeys(_TORCHRUN_SIGNALS + [f"SIG{signal_name}"]))
+        # train.elastic reshard: the agents go on with 1 to all nodes, each change a restart at the new world size
+        nnodes = '1:"$SLURM_NNODES"' if job.keeps_going else '"$SLURM_NNODES"'
+        restarts = f" --max-restarts={job.restarts}" if job.restarts else ""
         launch = [
-            f"srun --ntasks-per-node=1 --kill-on-bad-exit=1 {q(python)} -m torch.distributed.run \\",
-            f'    --nnodes="$SLURM_NNODES" --nproc-per-node={job.ranks_per_node} \\',
+            f"srun --ntasks-per-node=1 {kill} {q(python)} -m torch.distributed.run \\",
+            f"    --nnodes={nnodes} --nproc-per-node={job.ranks_per_node}{restarts} \\",
             '    --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$SLURM_JOB_ID" \\',
+            *(["    --rdzv-conf=last_call_timeout=10,keep_alive_interval=1,keep_alive_max_attempt=5 \\"] if job.keeps_going else []),
             f"    --signals-to-handle={handled} --shutdown-timeout={lead} \\",
             "    " + " ".join(train[1:]) + " &",
         ]
     elif job.launcher == "live":
         # each node's zoa-train run takes its machine (SLURM_NODEID) and the store (MASTER_ADDR:MASTER_PORT) from Slurm
         launch = [
-            "srun --ntasks-per-node=1 --no-kill --kill-on-bad-exit=0 \\",
+            f"srun --ntasks-per-node=1 {kill} \\",
             "    " + " ".join(train) + f" --nproc {job.ranks_per_node} --max-restarts {job.restarts} &",
         ]
     else:
@@ -326,6 +345,7 @@ def submit_recipe(job: SlurmJob, recipe: Path, overrides: list[str], run_dir: Pa
         raise UserError(f"--launcher live starts a train.elastic live run and {recipe} sets train.elastic {config.train.elastic}; set train.elastic=live.")
     if job.launcher != "live" and config.train.elastic == "live":
         raise UserError(f"{recipe} sets train.elastic live, whose ranks each node's zoa-train run starts itself; submit it with --launcher live.")
+    job = replace(job, elastic=config.train.elastic)
     if not job.gpus:
         if config.train.backend == "nccl":
             raise UserError(f"{recipe} sets train.backend nccl and this is a CPU job; give it GPUs with --gpus-per-node or set train.backend=gloo.")

@@ -196,21 +196,32 @@ class LiveMembership:
     # ---- membership changes -------------------------------------------------------------------------
 
     def _beating(self) -> None:
+        """Every BEAT_S: this rank's heartbeat; a look at the next member's (each rank watches one, so a hung rank
+        is seen within STALE_S even while every other rank waits in a collective with it), which marks the
+        generation failed; and, once it is marked, this rank's connections shut, which ends its own wait."""
         while not self._stop.wait(BEAT_S):
             with contextlib.suppress(Exception):  # the store is gone: the run is over
                 self._beat(self._beat_store)
-                generation = self.generation
-                if self._connections and self._beat_store.check([f"{PREFIX}/{generation}/failed"]):
+                generation, members = self.generation, self.members
+                if not self._connections or self.id not in members:
+                    continue
+                failed = f"{PREFIX}/{generation}/failed"
+                neighbour = members[(members.index(self.id) + 1) % len(members)]
+                if neighbour != self.id and self._gone(neighbour, self._beat_store):
+                    self._beat_store.set(failed, "1")
+                if self._beat_store.check([failed]):
                     self._close_connections(generation)
 
     def _beat(self, store) -> None:
         store.set(f"{PREFIX}/beat/{self.id}", json.dumps({"t": time.time(), "host": socket.gethostname(), "pid": os.getpid()}))
 
-    def _gone(self, member: int) -> bool:
+    def _gone(self, member: int, store=None) -> bool:
+        """Whether `member`'s process ended (its launcher's mark) or its heartbeat is older than STALE_S."""
+        store = store or self.store  # the heartbeat thread passes its own connection
         beat = f"{PREFIX}/beat/{member}"
-        if self.store.check([f"{PREFIX}/dead/{member}"]) or not self.store.check([beat]):
+        if store.check([f"{PREFIX}/dead/{member}"]) or not store.check([beat]):
             return True
-        beat = json.loads(self.store.get(beat))
+        beat = json.loads(store.get(beat))
         return time.time() - beat["t"] > STALE_S
 
     def _gone_members(self) -> list[int]:
