@@ -7,11 +7,11 @@ is one line of <run>/slurm/jobs.jsonl.
 
 Launchers:
   torchrun (default)  one Slurm task per node runs torchrun, which starts the node's ranks; c10d
-                      rendezvous on the allocation's first node, rendezvous id = the job id.
+                      rendezvous on the allocation's first node, rendezvous id = the job id. With
+                      train.elastic reshard the job goes on when a node is lost (--no-kill; the agents,
+                      --nnodes 1:N, restart the ranks at the new world size from the latest checkpoint).
   srun                one Slurm task per rank; each `zoa-train run` reads its rank from SLURM_PROCID,
                       SLURM_NTASKS and SLURM_LOCALID (zoa_train.distributed), the master from the node list.
-  With train.elastic reshard the torchrun job goes on when a node is lost (--no-kill; torchrun's agents
-  with --nnodes 1:N restart the ranks at the new world size, which resume from the latest checkpoint).
   live                train.elastic live: one Slurm task per node runs `zoa-train run`, which starts the
                       node's ranks and restarts a failed one (--max-restarts); machine = SLURM_NODEID, the
                       store on the allocation's first node. The job and its step survive a lost node
