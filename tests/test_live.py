@@ -27,7 +27,7 @@ from distributed_harness import free_port, run_ranks
 from test_faults import rank_pids, start_run, wait_for_step
 
 from zoa_train.comm import OneBitAllReduce
-from zoa_train.config import load_recipe
+from zoa_train.config import live_shrink_warning, load_recipe
 from zoa_train.optim import OneBitAdam, ZeroOneAdam
 from zoa_train.optim.diloco import DiLoCo
 from zoa_train.train.live import BEAT_S, STALE_S, launch_live
@@ -128,6 +128,17 @@ def test_live_under_torchrun_or_several_srun_tasks_a_node_is_refused_in_one_sent
     done = zoa_here(capsys, "run", "recipes/gpt2_tiny.yaml", "--out", str(run_dir), "--set", "train.elastic=live")
     refused(done, "train.elastic live under srun needs one task per node, whose zoa-train run starts the node's ranks (--nproc), and this step has 2 tasks")
     assert not run_dir.exists()
+
+
+def test_a_live_run_says_at_the_start_which_fewer_ranks_would_stop_it():
+    recipe = load_recipe(ROOT / "recipes/gpt2_tiny.yaml", ["train.global_batch_size=24", "train.micro_batch_size=3", "train.elastic=live"])
+    assert live_shrink_warning(recipe, 8) == (
+        "train.elastic live: train.global_batch_size 24 in micro-batches of 3 splits over 1, 2, 4 and 8 ranks, "
+        "so a run that drops to 7, 6, 5 or 3 ranks stops there (its checkpoints resume at any size that fits)."
+    )
+    assert "splits over 1, 2 and 4 ranks, so a run that drops to 3 ranks stops there" in live_shrink_warning(recipe, 4)
+    recipe = load_recipe(ROOT / "recipes/gpt2_tiny.yaml", ["train.global_batch_size=24", "train.micro_batch_size=4", "train.elastic=live"])
+    assert live_shrink_warning(recipe, 3) is None  # 24 = 4 x 3 x 2 = 4 x 2 x 3 = 4 x 1 x 6
 
 
 # ---- whole runs -------------------------------------------------------------------------------------

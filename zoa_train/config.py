@@ -533,6 +533,25 @@ def check_batch_layout(recipe: Recipe, world_size: int, origin: str = "recipe") 
     return t.global_batch_size // per_step
 
 
+def live_shrink_warning(recipe: Recipe, world_size: int) -> str | None:
+    """train.elastic live: the fewer ranks a run may drop to whose micro-batches cannot make up the global batch
+    (the run stops there), in one sentence; None when every smaller world size works."""
+    t = recipe.train
+    fits = [n for n in range(1, world_size + 1) if t.global_batch_size % (t.micro_batch_size * n) == 0]
+    stops = [n for n in range(world_size - 1, 0, -1) if n not in fits]
+    if not stops:
+        return None
+    return (
+        f"train.elastic live: train.global_batch_size {t.global_batch_size} in micro-batches of {t.micro_batch_size} splits over "
+        f"{_listed(fits)} ranks, so a run that drops to {_listed(stops, 'or')} ranks stops there (its checkpoints resume at any size that fits)."
+    )
+
+
+def _listed(numbers: list[int], last: str = "and") -> str:
+    words = [str(n) for n in numbers]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"
+
+
 def _cuda_available() -> bool:
     import torch
 

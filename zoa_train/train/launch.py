@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from zoa_train import console
-from zoa_train.config import check_batch_layout, load_recipe
+from zoa_train.config import check_batch_layout, live_shrink_warning, load_recipe
 from zoa_train.distributed import STOP_SIGNALS, LauncherSignalled, RankFailed, cluster_environment, first_slurm_node, launch_local, shares_agent_store
 from zoa_train.errors import UserError
 from zoa_train.files import check_directory, dumps_json
@@ -120,6 +120,9 @@ def train_recipe(
         check_local_gpus(config.train.backend, local)
         if machines.node_rank == 0:  # the others' ranks may join a run under way (its directory locked by rank 0)
             RunDirectory(run_dir).check(resume, overwrite, world, reshard)  # before any rank starts; every rank checks again
+            shrink = live_shrink_warning(config, world) if config.train.elastic == "live" else None
+            if shrink:
+                console.err.print(f"warning: {shrink}", highlight=False, soft_wrap=True)
         check_directory(Path(config.data.cache_dir).expanduser(), "data.cache_dir")
     try:
         if launches:
