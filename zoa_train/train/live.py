@@ -111,16 +111,16 @@ class LiveMembership:
 
     def _init_group(self) -> None:
         self._seq = 0
-        before = _sockets()
-        dist.init_process_group(
-            self.backend,
-            store=dist.PrefixStore(f"{PREFIX}/{self.generation}/group", self.store),
-            rank=self.members.index(self.id),
-            world_size=len(self.members),
-            timeout=self.timeout,
-        )
         with self._lock:
-            self._connections = {fd: link for fd, link in _sockets().items() if before.get(fd) != link}  # Gloo's, made by the init
+            self._connections = {}  # the last generation's, shut already
+        with self.making_groups():  # Gloo's connections, made by the init
+            dist.init_process_group(
+                self.backend,
+                store=dist.PrefixStore(f"{PREFIX}/{self.generation}/group", self.store),
+                rank=self.members.index(self.id),
+                world_size=len(self.members),
+                timeout=self.timeout,
+            )
         self.store.set(f"{PREFIX}/current", json.dumps(self.members))  # what a rank waiting to join looks at (the same on every member)
 
     @contextlib.contextmanager
