@@ -273,3 +273,55 @@ def test_the_ledger_times_rounds_and_what_step_waited_of_them():
     for (in_step, in_step_waited), (overlapped, overlapped_waited) in run_ranks(_timed_rounds, 2):
         assert in_step > 0 and in_step_waited == in_step  # in the caller all of it is exposed
         assert overlapped > 0 and 0 < overlapped_waited < 0.1  # finished while the caller slept; the wait is still recorded
+
+
+def _clipped_by_the_previous_norm(rank, world_size, run_dir, cache_dir, clip):
+    # The trainer's own steps, rounds started during backward; what each step's optimizer saw, and what
+    # the same batch gives at the same parameters by hand, unclipped.
+    from conftest import ROOT
+
+    from zoa_train.config import load_recipe
+    from zoa_train.train.trainer import Trainer
+
+    knobs = [f"train.grad_clip={clip}", "train.grad_clip_rule=previous", "comm.overlap=true", "comm.bucket_cap_mb=1"]
+    knobs += ["train.steps=3", "logging.wandb=disabled", "logging.tensorboard=false", f"data.cache_dir={cache_dir}"]
+    trainer = Trainer(load_recipe(ROOT / "recipes" / "gpt2_tiny.yaml", knobs), run_dir, None, overwrite=True)
+    try:
+        seen, batches, before = [], [], []
+        prefetched, step = trainer.batches, trainer.opt.step
+
+        def recorded():
+            for batch in prefetched:
+                batches.append(batch)
+                yield batch
+
+        def stepped(*args, **kwargs):
+            seen.append([p.grad.clone() for p in trainer.params])
+            return step(*args, **kwargs)
+
+        trainer.batches, trainer.opt.step = recorded(), stepped
+        for _ in range(3):
+            before.append([p.detach().clone() for p in trainer.params])
+            trainer.train_step()
+        by_hand = []
+        for params, batch in zip(before, batches):  # one micro-batch per step: 32 sequences on 2 ranks of 16
+            torch._foreach_copy_([p.detach() for p in trainer.params], params)
+            with trainer.opt.no_sync():  # no round for this backward
+                trainer.task.loss(trainer.opt.module, batch).backward()
+            by_hand.append([p.grad.clone() for p in trainer.params])
+            trainer.opt.zero_grad()
+        return seen, by_hand
+    finally:
+        trainer.close()
+
+
+def test_clipping_by_the_previous_norm_scales_each_step_by_the_last_step_s_norm(tmp_path, cache_dir):
+    clip = 0.5  # under every early step's norm: each step but the first is clipped
+    for seen, by_hand in run_ranks(_clipped_by_the_previous_norm, 2, str(tmp_path / "run"), str(cache_dir), clip):
+        norms = [torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])) for grads in by_hand]
+        assert all(n > clip for n in norms), norms
+        factors = [1.0, *(clip / (n + 1e-6) for n in norms[:-1])]  # the first step has no previous norm: unclipped
+        for step, (grads, expected, factor) in enumerate(zip(seen, by_hand, factors)):
+            # the loss scaled by the factor, not the gradients: equal up to rounding
+            error = torch.linalg.vector_norm(torch.stack([(g - e * factor).norm() for g, e in zip(grads, expected)]))
+            assert error <= 1e-5 * factor * norms[step], f"step {step}: {error} off"
