@@ -195,8 +195,6 @@ def test_diloco_refuses_a_fragment_without_parameters():
         # ... with the error of the outer step at step 3 carried to the one at step 6.
         ("diloco", ("optimizer.sync_every=3", "optimizer.outer_collective=onebit")),
         ("diloco", ("optimizer.sync_every=3", "optimizer.outer_collective=topk", "optimizer.outer_momentum=0", "optimizer.topk_error_decay=0.9")),
-        # Clipped by the previous step's norm (every step's norm is above 0.5 here), which the checkpoint carries.
-        ("adam", ("train.grad_clip=0.5", "train.grad_clip_rule=previous")),
     ],
 )
 def test_baseline_resumes_exactly(tmp_path, cache_dir, name, knobs):

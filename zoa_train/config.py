@@ -141,10 +141,8 @@ class TrainConfig:
     # global: clip by the whole gradient's norm after backward, so the 1-bit rounds start in step(); bucket:
     # clip each bucket by its share of grad_clip as soon as its gradients are final, so comm.overlap keeps
     # starting rounds during backward (docs/algorithm.md, "Clipping by bucket"; the optimizers that sync
-    # themselves); previous: clip by the previous step's whole-gradient norm, a factor known before backward
-    # (docs/algorithm.md, "Clipping by the previous norm"); auto: bucket where comm.overlap starts rounds
-    # during backward, global elsewhere
-    grad_clip_rule: Literal["auto", "global", "bucket", "previous"] = "auto"
+    # themselves); auto: bucket where comm.overlap starts rounds during backward, global elsewhere
+    grad_clip_rule: Literal["auto", "global", "bucket"] = "auto"
     skip_nonfinite: int = 0  # steps with a NaN/inf loss to skip (all ranks together, one scalar allreduce per step); 0: stop at the first
     seed: int = 0
     nproc: int = 2  # local ranks when not started by torchrun or srun

@@ -27,7 +27,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import yaml
-from torch.distributed.tensor import DTensor
 
 from zoa_train.comm import ClusterCollective, TopologyChanged
 from zoa_train.comm import registry as collectives
@@ -192,12 +191,6 @@ def _layout_words(layout: list[int] | None) -> str:
     return f"sharded on {layout[0]} nodes x {layout[1]} ranks" if layout else "unsharded"
 
 
-def gradient_norm(params: list[torch.Tensor]) -> torch.Tensor:
-    """The L2 norm of `params`' gradients as one vector (a sharded model's, over the node's shards)."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
-
-
 def rank_seed(seed: int, rank: int) -> int:
     """A seed for this rank's own random draws, unrelated to the other ranks' and to `seed` itself."""
     return int(np.random.SeedSequence([seed, rank]).generate_state(1, np.uint64)[0] >> 1)
@@ -276,10 +269,6 @@ class Trainer(LiveTraining):
             self.opt.clip_by_bucket(t.grad_clip or None)
             if t.grad_clip and self.is_main:
                 print(f"gradients clipped bucket by bucket as backward finishes them (train.grad_clip_rule {t.grad_clip_rule})", flush=True)
-        # grad_clip_rule previous: the last step's gradient norm before its clip, this rank's (0: none yet, so unclipped)
-        self.previous_norm = torch.zeros((), device=self.device)
-        if self.clip_rule == "previous" and t.grad_clip and self.is_main:
-            print("gradients clipped by the previous step's norm, a factor known before backward (train.grad_clip_rule previous)", flush=True)
         self._no_overlap_when_gradients_change(recipe)
         if self.sharding is None and not sync.chosen and self.is_main:
             _warn_of_unused_comm_keys(recipe)
@@ -496,25 +485,19 @@ class Trainer(LiveTraining):
         self.model.train()
         self.phase = "forward and backward (DDP's gradient allreduce)"
         loss_sum = torch.zeros((), device=self.device)
-        by_previous = t.grad_clip > 0 and self.clip_rule == "previous"
-        # Clipping by the previous step's norm scales the loss, so the gradients are final as backward leaves them.
-        factor = (t.grad_clip / (self.previous_norm + 1e-6)).clamp(max=1.0) if by_previous else None
         for micro in range(self.accum):
             # no_sync() around forward and backward: DDP reads it at the forward, the 1-bit
             # optimizers at the backward (their rounds start in gradient hooks)
             with contextlib.nullcontext() if micro == self.accum - 1 else self.opt.no_sync():
                 with autocast(t.precision, self.device):
                     loss = self.task.loss(self.opt.module, next(self.batches)) / self.accum
-                self.scaler.scale_loss(loss if factor is None else loss * factor).backward()
+                self.scaler.scale_loss(loss).backward()
             loss_sum += loss.detach()
         if self._skip(loss_sum):
             self.opt.zero_grad()
             return None
         if t.grad_clip > 0 and self.clip_rule == "global":  # "bucket": the optimizer clips, bucket by bucket
             torch.nn.utils.clip_grad_norm_(self.params, t.grad_clip)
-        if factor is not None:  # this step's norm before its clip, for the next step's factor (an overflow keeps the last)
-            norm = gradient_norm(self.params) / factor
-            self.previous_norm = torch.where(torch.isfinite(norm), norm, self.previous_norm)
         lr = self.opt.lr
         self.phase = "the optimizer step (its allreduce)"
         kind = self._survive(self.opt.step, undo=self.opt.next_step_communicates())
@@ -622,7 +605,6 @@ class Trainer(LiveTraining):
             "optimizer": self.opt.rank_state_dict(),
             "loader": self.batches.state_dict(),
             "scaler": self.scaler.state_dict(),  # each rank's own: local steps check overflow locally
-            "previous_norm": self.previous_norm.cpu(),  # grad_clip_rule previous: this rank's gradients' norm
             "rng": {
                 "torch": torch.get_rng_state(),
                 "device": torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None,  # this rank's GPU only
@@ -721,8 +703,6 @@ class Trainer(LiveTraining):
                 self.opt.resharded_state(),
             )
         if self.rank < saved_world:  # a rank the checkpoint did not have keeps its fresh seed (rank_seed)
-            if "previous_norm" in mine:  # else its first step is unclipped by grad_clip_rule previous
-                self.previous_norm.copy_(mine["previous_norm"])
             torch.set_rng_state(mine["rng"]["torch"])
             if mine["rng"].get("device") is not None and self.device.type == "cuda":
                 torch.cuda.set_rng_state(mine["rng"]["device"], self.device)
